@@ -1,0 +1,66 @@
+"""Public functions of kda-op, with flash-linear-attention's call convention."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import ops as _ops  # noqa: F401  (defines the ops and their autograd)
+from . import meta as _meta  # noqa: F401  (registers the fake kernels; needs the ops)
+from ._checks import check_kda_inputs
+
+
+def chunk_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Kimi Delta Attention: a gated delta rule with a per-channel decay.
+
+    Per batch element and value head, with a state ``S`` of shape ``[K, V]``::
+
+        S_dec = exp(g_t)[:, None] * S_{t-1}
+        S_t   = S_dec + (beta_t * k_t) (outer) (v_t - k_t^T S_dec)
+        o_t   = (scale * q_t)^T S_t
+
+    Args:
+        q: queries ``[B, T, H, K]``.
+        k: keys ``[B, T, H, K]`` (usually l2-normalised), same dtype as ``q``.
+        v: values ``[B, T, HV, V]`` with ``HV = G * H``; value head ``j`` reads
+            query/key head ``j // G``. Same dtype as ``q``.
+        g: log decay ``[B, T, HV, K]`` (natural log, usually <= 0).
+        beta: write strength ``[B, T, HV]``.
+        scale: multiplies ``q``; ``None`` means ``K ** -0.5``.
+        initial_state: ``[B, HV, K, V]`` state before the first token, or ``None``
+            for zeros.
+        output_final_state: whether to return the state after the last token.
+
+    Returns:
+        ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in the dtype of ``v``;
+        ``final_state`` is ``[B, HV, K, V]`` in fp32 (fp64 for fp64 inputs), or
+        ``None`` when ``output_final_state`` is False.
+
+    Inputs may be float16, bfloat16, float32 or float64; the state is kept in
+    fp32 (fp64 for fp64 inputs). The function is differentiable in q, k, v, g,
+    beta and initial_state through ``torch.ops.kda_op.chunk_kda_bwd``; it traces
+    under ``torch.compile(fullgraph=True)`` and ``torch.export``. No input is
+    modified.
+
+    Raises:
+        TypeError: a non-tensor argument, an integer/bool dtype, or q/k/v dtypes
+            that differ.
+        ValueError: wrong ranks or shapes, HV not a multiple of H, K or V of 0,
+            or tensors on different devices.
+    """
+    check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state)
+    o, final_state, _ = torch.ops.kda_op.chunk_kda_fwd(
+        q, k, v, g, beta, None if scale is None else float(scale), initial_state
+    )
+    return o, (final_state if output_final_state else None)

@@ -1,0 +1,60 @@
+"""Fake kernels registered on ``kda_op::chunk_kda_fwd`` and ``kda_op::chunk_kda_bwd``.
+
+Every real kernel returns fresh contiguous tensors, so these return
+``new_empty`` tensors of the same shapes and dtypes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .._contract import num_chunks, state_dtype
+
+
+@torch.library.register_fake("kda_op::chunk_kda_fwd")
+def chunk_kda_fwd_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    initial_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    acc = state_dtype(q.dtype)
+    o = v.new_empty((B, T, HV, V))
+    final_state = q.new_empty((B, HV, K, V), dtype=acc)
+    chunk_states = q.new_empty((B, num_chunks(T), HV, K, V), dtype=acc)
+    return o, final_state, chunk_states
+
+
+@torch.library.register_fake("kda_op::chunk_kda_bwd")
+def chunk_kda_bwd_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    initial_state: Optional[Tensor],
+    chunk_states: Tensor,
+    do: Tensor,
+    dht: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    B, _, HV, K = g.shape
+    V = v.shape[3]
+    # dq/dk come back GVA-reduced: [B, T, HV, K] summed over the G value heads
+    # of each key head gives q's own shape [B, T, H, K].
+    dq = q.new_empty(q.shape)
+    dk = k.new_empty(k.shape)
+    dv = v.new_empty(v.shape)
+    dg = g.new_empty(g.shape)
+    dbeta = beta.new_empty(beta.shape)
+    dh0_dtype = state_dtype(q.dtype) if initial_state is None else initial_state.dtype
+    dh0 = q.new_empty((B, HV, K, V), dtype=dh0_dtype)
+    return dq, dk, dv, dg, dbeta, dh0

@@ -1,0 +1,74 @@
+"""The KDA operators: ``torch.ops.kda_op.chunk_kda_fwd`` and ``chunk_kda_bwd``.
+
+One op, several kernels: the CPU kernel is the einsum reference
+(``kda_op.reference``); CUDA kernels register on the same ops. Fake kernels live
+in ``kda_op.meta``; autograd is registered here so that differentiation goes
+through ``chunk_kda_bwd`` and nothing else. The ops trust their inputs: the public
+functions in ``kda_op.api`` validate them first.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from .reference import kda_backward_reference, kda_forward_reference
+
+NAMESPACE = "kda_op"
+
+
+@torch.library.custom_op(f"{NAMESPACE}::chunk_kda_fwd", mutates_args=(), device_types="cpu")
+def chunk_kda_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    initial_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """KDA forward. Returns ``(o [B,T,HV,V], final_state [B,HV,K,V],
+    chunk_states [B,NC,HV,K,V])``; ``chunk_states`` holds the state entering each
+    chunk of ``CHUNK_SIZE`` tokens and exists for the backward."""
+    return kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::chunk_kda_bwd", mutates_args=(), device_types="cpu")
+def chunk_kda_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    initial_state: Optional[Tensor],
+    chunk_states: Tensor,
+    do: Tensor,
+    dht: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """KDA backward from the grads of o (``do``) and of the final state (``dht``,
+    ``None`` for zero). Returns ``(dq, dk, dv, dg, dbeta, dh0)``; dq and dk are
+    already reduced from the HV value heads to the H key heads."""
+    return kda_backward_reference(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, g, beta, scale, initial_state = inputs
+    _, _, chunk_states = output
+    ctx.scale = scale
+    ctx.has_initial_state = initial_state is not None
+    ctx.mark_non_differentiable(chunk_states)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, chunk_states)
+
+
+def _backward(ctx, do: Tensor, dht: Tensor, _dchunk_states: Tensor):
+    q, k, v, g, beta, initial_state, chunk_states = ctx.saved_tensors
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.kda_op.chunk_kda_bwd(
+        q, k, v, g, beta, ctx.scale, initial_state, chunk_states, do, dht
+    )
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None)
+
+
+chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)

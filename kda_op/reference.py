@@ -1,0 +1,170 @@
+"""The einsum reference of KDA: the CPU kernel of the ops.
+
+Forward: the recurrence of DESIGN.md section 1, one token at a time, saving the
+state that enters every chunk of ``CHUNK_SIZE`` tokens.
+
+Backward: reverse-time BPTT as in ``kda-backward-derivation.tex``. Chunks are
+visited last to first; inside a chunk the per-token decayed states ``S_dec`` are
+recomputed from the saved chunk state, so no ``[B, T, HV, K, V]`` tensor is ever
+held: memory is O(T / C * K * V) per head for the saved states plus
+O(C * K * V) for the chunk being differentiated.
+
+Every function here works on any strides (einsum and indexing only) and returns
+contiguous tensors, which is what the fake kernels promise.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from ._contract import CHUNK_SIZE, num_chunks, state_dtype
+
+
+def _expand_heads(x: Tensor, group: int, dtype: torch.dtype) -> Tensor:
+    """[B, T, H, K] -> [B, T, H * group, K]: value head j reads key head j // group."""
+    return x.to(dtype).repeat_interleave(group, dim=2)
+
+
+def _resolve_scale(scale: Optional[float], head_dim: int) -> float:
+    return head_dim**-0.5 if scale is None else float(scale)
+
+
+def kda_forward_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    initial_state: Optional[Tensor],
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Run the KDA recurrence.
+
+    Returns ``(o, final_state, chunk_states)``: ``o`` is ``[B, T, HV, V]`` in the
+    dtype of ``v``; ``final_state`` is ``[B, HV, K, V]`` in the state dtype;
+    ``chunk_states`` is ``[B, NC, HV, K, V]``, the state entering each chunk.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    group = HV // H
+    acc = state_dtype(q.dtype)
+    scale = _resolve_scale(scale, K)
+
+    qe = _expand_heads(q, group, acc) * scale
+    ke = _expand_heads(k, group, acc)
+    ve = v.to(acc)
+    decay = g.to(acc).exp()
+    b = beta.to(acc)
+
+    if initial_state is None:
+        S = q.new_zeros((B, HV, K, V), dtype=acc)
+    else:
+        S = initial_state.to(acc).clone()
+
+    o = q.new_empty((B, T, HV, V), dtype=acc)
+    chunk_states = q.new_empty((B, num_chunks(T, chunk_size), HV, K, V), dtype=acc)
+    for t in range(T):
+        if t % chunk_size == 0:
+            chunk_states[:, t // chunk_size] = S
+        S = decay[:, t, :, :, None] * S
+        residual = ve[:, t] - torch.einsum("bhk,bhkv->bhv", ke[:, t], S)
+        S = S + torch.einsum("bhk,bhv->bhkv", b[:, t, :, None] * ke[:, t], residual)
+        o[:, t] = torch.einsum("bhk,bhkv->bhv", qe[:, t], S)
+    return o.to(v.dtype), S.contiguous(), chunk_states
+
+
+def kda_backward_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    initial_state: Optional[Tensor],
+    chunk_states: Tensor,
+    do: Tensor,
+    dht: Optional[Tensor],
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Gradients of KDA given the grads of ``o`` (``do``) and of the final state
+    (``dht``, ``None`` meaning zero).
+
+    Returns ``(dq, dk, dv, dg, dbeta, dh0)``, each in the dtype of its input;
+    ``dh0`` is in the state dtype when there is no initial state.
+    """
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    group = HV // H
+    acc = state_dtype(q.dtype)
+    scale = _resolve_scale(scale, K)
+
+    qe = _expand_heads(q, group, acc) * scale
+    ke = _expand_heads(k, group, acc)
+    ve = v.to(acc)
+    decay = g.to(acc).exp()
+    b = beta.to(acc)
+    do = do.to(acc)
+
+    dq_e = q.new_empty((B, T, HV, K), dtype=acc)
+    dk_e = q.new_empty((B, T, HV, K), dtype=acc)
+    dv = q.new_empty((B, T, HV, V), dtype=acc)
+    dg = q.new_empty((B, T, HV, K), dtype=acc)
+    dbeta = q.new_empty((B, T, HV), dtype=acc)
+
+    # dS carries d(loss)/d(S_t) backwards in time, as dS_acc in the derivation.
+    if dht is None:
+        dS = q.new_zeros((B, HV, K, V), dtype=acc)
+    else:
+        dS = dht.to(acc).clone()
+
+    for c in range(chunk_states.shape[1] - 1, -1, -1):
+        t0, t1 = c * chunk_size, min(T, (c + 1) * chunk_size)
+        # Recompute this chunk's decayed states and residuals from its saved state.
+        S = chunk_states[:, c].to(acc)
+        S_decs, residuals = [], []
+        for t in range(t0, t1):
+            S_dec = decay[:, t, :, :, None] * S
+            r = ve[:, t] - torch.einsum("bhk,bhkv->bhv", ke[:, t], S_dec)
+            S = S_dec + torch.einsum("bhk,bhv->bhkv", b[:, t, :, None] * ke[:, t], r)
+            S_decs.append(S_dec)
+            residuals.append(r)
+
+        for i in range(t1 - t0 - 1, -1, -1):
+            t = t0 + i
+            S_dec, r = S_decs[i], residuals[i]
+            k_t, b_t = ke[:, t], b[:, t, :, None]
+            a_t = b_t * k_t
+            S_t = S_dec + torch.einsum("bhk,bhv->bhkv", a_t, r)
+
+            # Step 1: o_t = q_t^T S_t
+            dS = dS + torch.einsum("bhk,bhv->bhkv", qe[:, t], do[:, t])
+            dq_e[:, t] = torch.einsum("bhv,bhkv->bhk", do[:, t], S_t)
+            # Step 2: S_t = S_dec + a_t (outer) r_t
+            da = torch.einsum("bhv,bhkv->bhk", r, dS)
+            dr = torch.einsum("bhk,bhkv->bhv", a_t, dS)
+            # Step 3: a_t = beta_t k_t
+            dbeta[:, t] = torch.einsum("bhk,bhk->bh", k_t, da)
+            # Step 4: r_t = v_t - k_t^T S_dec
+            dv[:, t] = dr
+            dk_e[:, t] = b_t * da - torch.einsum("bhv,bhkv->bhk", dr, S_dec)
+            # Step 5: both paths into S_dec (directly and through r_t) are summed.
+            dS_dec = dS - torch.einsum("bhk,bhv->bhkv", k_t, dr)
+            dg[:, t] = torch.einsum("bhkv,bhkv->bhk", S_dec, dS_dec)
+            dS = decay[:, t, :, :, None] * dS_dec
+
+    # Step 6: GVA reduction back to the H query/key heads.
+    dq = dq_e.view(B, T, H, group, K).sum(3) * scale
+    dk = dk_e.view(B, T, H, group, K).sum(3)
+    dh0_dtype = acc if initial_state is None else initial_state.dtype
+    return (
+        dq.to(q.dtype).contiguous(),
+        dk.to(k.dtype).contiguous(),
+        dv.to(v.dtype),
+        dg.to(g.dtype),
+        dbeta.to(beta.dtype),
+        dS.to(dh0_dtype).contiguous(),
+    )
