@@ -12,8 +12,9 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float64,
 )
 
-#: Tokens per chunk: the forward saves the state entering every chunk of this
-#: many tokens, and the backward recomputes the states inside one chunk at a time.
+#: Tokens per chunk: the forward saves the state at every chunk boundary
+#: (t = 0, C, 2C, ..., and T), and the backward recomputes the states inside one
+#: chunk at a time from them.
 CHUNK_SIZE: int = 64
 
 
@@ -29,3 +30,12 @@ def state_dtype(input_dtype: torch.dtype) -> torch.dtype:
 def num_chunks(seq_len, chunk_size: int = CHUNK_SIZE):
     """ceil(seq_len / chunk_size), written without a branch so it stays symbolic."""
     return (seq_len + chunk_size - 1) // chunk_size
+
+
+def num_chunk_boundaries(seq_len, chunk_size: int = CHUNK_SIZE):
+    """How many states ``chunk_states`` holds: one entering each chunk, plus the
+    final one. Besides being what the backward needs, this count is >= 2 for
+    every T >= 1, which the compiler can prove from T's range; a size that could
+    be 1 (like the chunk count alone) makes it guard on that size and recompile
+    once T crosses one chunk."""
+    return num_chunks(seq_len, chunk_size) + 1

@@ -30,8 +30,9 @@ def chunk_kda_fwd(
     initial_state: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
     """KDA forward. Returns ``(o [B,T,HV,V], final_state [B,HV,K,V],
-    chunk_states [B,NC,HV,K,V])``; ``chunk_states`` holds the state entering each
-    chunk of ``CHUNK_SIZE`` tokens and exists for the backward."""
+    chunk_states [B,NC+1,HV,K,V])``; ``chunk_states`` holds the state at every
+    boundary of the NC chunks of ``CHUNK_SIZE`` tokens (the final state last) and
+    exists for the backward."""
     return kda_forward_reference(q, k, v, g, beta, scale, initial_state)
 
 

@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._contract import CHUNK_SIZE, num_chunks, state_dtype
+from ._contract import CHUNK_SIZE, num_chunk_boundaries, state_dtype
 
 
 def _expand_heads(x: Tensor, group: int, dtype: torch.dtype) -> Tensor:
@@ -46,7 +46,8 @@ def kda_forward_reference(
 
     Returns ``(o, final_state, chunk_states)``: ``o`` is ``[B, T, HV, V]`` in the
     dtype of ``v``; ``final_state`` is ``[B, HV, K, V]`` in the state dtype;
-    ``chunk_states`` is ``[B, NC, HV, K, V]``, the state entering each chunk.
+    ``chunk_states`` is ``[B, NC + 1, HV, K, V]``: the state entering each of the
+    NC chunks, then the final state.
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -66,7 +67,7 @@ def kda_forward_reference(
         S = initial_state.to(acc).clone()
 
     o = q.new_empty((B, T, HV, V), dtype=acc)
-    chunk_states = q.new_empty((B, num_chunks(T, chunk_size), HV, K, V), dtype=acc)
+    chunk_states = q.new_empty((B, num_chunk_boundaries(T, chunk_size), HV, K, V), dtype=acc)
     for t in range(T):
         if t % chunk_size == 0:
             chunk_states[:, t // chunk_size] = S
@@ -74,6 +75,7 @@ def kda_forward_reference(
         residual = ve[:, t] - torch.einsum("bhk,bhkv->bhv", ke[:, t], S)
         S = S + torch.einsum("bhk,bhv->bhkv", b[:, t, :, None] * ke[:, t], residual)
         o[:, t] = torch.einsum("bhk,bhkv->bhv", qe[:, t], S)
+    chunk_states[:, -1] = S
     return o.to(v.dtype), S.contiguous(), chunk_states
 
 
@@ -121,7 +123,7 @@ def kda_backward_reference(
     else:
         dS = dht.to(acc).clone()
 
-    for c in range(chunk_states.shape[1] - 1, -1, -1):
+    for c in range(chunk_states.shape[1] - 2, -1, -1):
         t0, t1 = c * chunk_size, min(T, (c + 1) * chunk_size)
         # Recompute this chunk's decayed states and residuals from its saved state.
         S = chunk_states[:, c].to(acc)

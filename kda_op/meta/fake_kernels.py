@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._contract import num_chunks, state_dtype
+from .._contract import num_chunk_boundaries, state_dtype
 
 
 @torch.library.register_fake("kda_op::chunk_kda_fwd")
@@ -29,7 +29,7 @@ def chunk_kda_fwd_fake(
     acc = state_dtype(q.dtype)
     o = v.new_empty((B, T, HV, V))
     final_state = q.new_empty((B, HV, K, V), dtype=acc)
-    chunk_states = q.new_empty((B, num_chunks(T), HV, K, V), dtype=acc)
+    chunk_states = q.new_empty((B, num_chunk_boundaries(T), HV, K, V), dtype=acc)
     return o, final_state, chunk_states
 
 
