@@ -1,0 +1,56 @@
+"""The CPU backward keeps O(T / C * K * V) state per head, never O(T * K * V)."""
+
+from __future__ import annotations
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from inputs import make_inputs
+from kda_op.reference import kda_backward_reference, kda_forward_reference
+
+
+class PeakLiveBytes(TorchDispatchMode):
+    """Peak bytes of the storages that ops under this mode created and that are
+    still alive (storages made before the mode, like the inputs, are not counted)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.live = {key: entry for key, entry in self.live.items() if not entry[0].expired()}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                self.live.setdefault(storage._cdata, (StorageWeakRef(storage), storage.nbytes()))
+        self.peak = max(self.peak, sum(nbytes for _, nbytes in self.live.values()))
+        return out
+
+
+def _backward_peak(T: int, chunk_size: int | None = None) -> int:
+    inputs = make_inputs(B=1, T=T, H=1, G=1, K=128, V=128, seed=T)
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+    extra = {} if chunk_size is None else {"chunk_size": chunk_size}
+    o, ht, chunk_states = kda_forward_reference(*args, None, inputs["initial_state"], **extra)
+    do, dht = torch.randn_like(o), torch.randn_like(ht)
+    with PeakLiveBytes() as mode:
+        kda_backward_reference(*args, None, inputs["initial_state"], chunk_states, do, dht, **extra)
+    return mode.peak
+
+
+def test_backward_memory_does_not_grow_with_a_state_per_token():
+    T1, T2 = 128, 256
+    per_token_state_bytes = 128 * 128 * 8  # one fp64 [K, V] state
+    bound = 0.25 * (T2 - T1) * per_token_state_bytes
+    growth = _backward_peak(T2) - _backward_peak(T1)
+    # What does grow with T is O(T * (K + V)): q/k/g copies and the grads.
+    assert growth < bound, f"backward peak grew {growth} B from T={T1} to {T2}; bound {bound:.0f} B"
+
+    # The measure itself can fail: one chunk spanning the whole sequence keeps a
+    # state per token, and its growth exceeds the bound.
+    naive_growth = _backward_peak(T2, chunk_size=T2) - _backward_peak(T1, chunk_size=T1)
+    assert naive_growth > 2 * bound, naive_growth
