@@ -1,0 +1,6 @@
+import triton
+import triton.language as tl
+
+@triton.jit
+def kda_intra_bwd_kernel(x):
+    pass

@@ -1,0 +1,132 @@
+"""Stage 1 (forward, and recomputed in the backward): everything inside one chunk.
+
+One program per (chunk, batch * value head). With gam = cumsum(g) inside the
+chunk, it writes
+  gam                        [B, NC*BT, HV, K]  (padded rows repeat the last gam)
+  A_kk (strictly lower)      [B, T, HV, BT]
+  A_qk (lower, with diagonal)[B, T, HV, BT]
+  W = Tm diag(beta) (K * exp(gam)),  U = Tm diag(beta) V,
+and Tm = (I + diag(beta) A_kk)^-1 when STORE_TM (the backward needs it).
+
+Numerics: exp(gam_i - gam_j) is never split as exp(gam_i) * exp(-gam_j) over the
+whole chunk. The chunk is cut into sub-blocks of BC rows; an off-diagonal block
+(I > J) uses the first row r of block I as reference, so both factors
+exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a decaying gate; a
+diagonal block forms exp(gam_i - gam_j) per pair, a slice of K at a time.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_intra_fwd_kernel(
+    q, k, v, g, beta,
+    gam, akk, aqk, w, u, tm,
+    scale, T, NC,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    # Per-sequence offsets: bos is where this sequence starts among the B*T rows
+    # (a variable-length batch would read it from cu_seqlens); T_pad is the
+    # padded row count of the gam buffer.
+    bos = i_b * T
+    bos_pad = i_b * NC * BT
+    t0 = i_c * BT
+
+    o_t = t0 + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+
+    # gam = cumsum(g) in fp32; padded rows load g = 0, so they repeat the last gam.
+    b_g = tl.load(g + ((bos + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_gam = tl.cumsum(b_g, axis=0)
+    tl.store(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_gam, mask=m_k[None, :])
+    tl.debug_barrier()
+
+    o_c = tl.arange(0, BC)
+    for i_i in tl.static_range(BT // BC):
+        o_i = t0 + i_i * BC + o_c
+        m_i = o_i < T
+        p_qi = q + ((bos + o_i[:, None]) * H + i_h) * K + o_k[None, :]
+        p_ki = k + ((bos + o_i[:, None]) * H + i_h) * K + o_k[None, :]
+        b_qi = tl.load(p_qi, mask=m_i[:, None] & m_k[None, :], other=0.0).to(tl.float32) * scale
+        b_ki = tl.load(p_ki, mask=m_i[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_gi = tl.load(gam + ((bos_pad + o_i[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_gr = tl.load(gam + ((bos_pad + t0 + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        b_ei = tl.exp(b_gi - b_gr[None, :])
+        b_kia = b_ki * b_ei
+        b_qia = b_qi * b_ei
+        row_off = ((bos + o_i[:, None]) * HV + i_hv) * BT
+        for i_j in tl.static_range(i_i):
+            o_j = t0 + i_j * BC + o_c
+            m_j = o_j < T
+            b_kj = tl.load(k + ((bos + o_j[:, None]) * H + i_h) * K + o_k[None, :],
+                           mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_gj = tl.load(gam + ((bos_pad + o_j[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_kjb = tl.trans(b_kj * tl.exp(b_gr[None, :] - b_gj))
+            b_akk = tl.dot(b_kia, b_kjb, input_precision=DOT_PREC)
+            b_aqk = tl.dot(b_qia, b_kjb, input_precision=DOT_PREC)
+            col = i_j * BC + o_c[None, :]
+            tl.store(akk + row_off + col, b_akk, mask=m_i[:, None])
+            tl.store(aqk + row_off + col, b_aqk, mask=m_i[:, None])
+
+        # Diagonal block: exact exp(gam_i - gam_j), K in slices of BKS.
+        b_akk_d = tl.zeros([BC, BC], dtype=tl.float32)
+        b_aqk_d = tl.zeros([BC, BC], dtype=tl.float32)
+        causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
+        for i_s in tl.static_range(BK // BKS):
+            o_s = i_s * BKS + tl.arange(0, BKS)
+            m_s = o_s < K
+            b_qs = tl.load(q + ((bos + o_i[:, None]) * H + i_h) * K + o_s[None, :],
+                           mask=m_i[:, None] & m_s[None, :], other=0.0).to(tl.float32) * scale
+            b_ks = tl.load(k + ((bos + o_i[:, None]) * H + i_h) * K + o_s[None, :],
+                           mask=m_i[:, None] & m_s[None, :], other=0.0).to(tl.float32)
+            b_gs = tl.load(gam + ((bos_pad + o_i[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
+            b_e = tl.exp(tl.where(causal, b_gs[:, None, :] - b_gs[None, :, :], float("-inf")))
+            b_kje = b_ks[None, :, :] * b_e
+            b_akk_d += tl.sum(b_ks[:, None, :] * b_kje, 2)
+            b_aqk_d += tl.sum(b_qs[:, None, :] * b_kje, 2)
+        b_akk_d = tl.where(o_c[:, None] > o_c[None, :], b_akk_d, 0.0)
+        b_aqk_d = tl.where(o_c[:, None] >= o_c[None, :], b_aqk_d, 0.0)
+        col = i_i * BC + o_c[None, :]
+        tl.store(akk + row_off + col, b_akk_d, mask=m_i[:, None])
+        tl.store(aqk + row_off + col, b_aqk_d, mask=m_i[:, None])
+    tl.debug_barrier()
+
+    # Tm = (I + diag(beta) A_kk)^-1 by forward substitution, a row at a time:
+    # Tm[i, :] = e_i - sum_{j < i} M[i, j] Tm[j, :].
+    o_r = tl.arange(0, BT)
+    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_a = tl.load(akk + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :],
+                  mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
+    b_m = b_beta[:, None] * b_a
+    b_tm = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    for i in range(1, BT):
+        b_mi = tl.sum(tl.where(o_r[:, None] == i, b_m, 0.0), 0)
+        b_row = tl.where(o_r == i, 1.0, 0.0) - tl.sum(b_mi[:, None] * b_tm, 0)
+        b_tm = tl.where(o_r[:, None] == i, b_row[None, :], b_tm)
+    if STORE_TM:
+        tl.store(tm + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :], b_tm, mask=m_t[:, None])
+
+    b_k = tl.load(k + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_w = tl.dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), input_precision=DOT_PREC)
+    tl.store(w + ((bos + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_w, mask=m_t[:, None] & m_k[None, :])
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_u = tl.dot(b_tm, b_beta[:, None] * b_v, input_precision=DOT_PREC)
+        tl.store(u + p_v, b_u, mask=m_t[:, None] & m_v[None, :])

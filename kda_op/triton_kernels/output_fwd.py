@@ -1,0 +1,49 @@
+"""Stage 3 (forward): the output, parallel over chunks.
+
+O = (Q * exp(gam)) S0 + A_qk U', one program per (chunk, batch * value head, V block).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_output_fwd_kernel(
+    q, gam, aqk, up, chunk_states,
+    o,
+    scale, T, NC,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_v = tl.program_id(2)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos = i_b * T
+    bos_pad = i_b * NC * BT
+
+    o_t = i_c * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_r = tl.arange(0, BT)
+
+    b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32) * scale
+    b_gam = tl.load(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_s0 = tl.load(chunk_states + ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+                   mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_a = tl.load(aqk + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :],
+                  mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
+    row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+    b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    b_o = tl.dot(b_q * tl.exp(b_gam), b_s0, input_precision=DOT_PREC)
+    b_o += tl.dot(b_a, b_up, input_precision=DOT_PREC)
+    tl.store(o + row_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])

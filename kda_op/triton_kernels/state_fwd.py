@@ -1,0 +1,64 @@
+"""Stage 2 (forward): the scan over chunks, the only sequential part.
+
+One program per (V block, batch * value head) carries S [K, BV] in fp32 through
+the chunks: it saves S at every chunk boundary, writes the residuals
+U' = U - W S0, and hands S on with S_C = exp(Gam) S0 + (K * exp(Gam - gam))^T U'.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_state_fwd_kernel(
+    k, w, u, gam, h0,
+    up, chunk_states, ht,
+    T, NC,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos = i_b * T
+    bos_pad = i_b * NC * BT
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
+
+    if HAS_H0:
+        b_s = tl.load(h0 + (i_b * HV + i_hv) * K * V + state_off, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+
+    o_r = tl.arange(0, BT)
+    for i_c in range(NC):
+        tl.store(chunk_states + ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V + state_off, b_s, mask=m_kv)
+        o_t = i_c * BT + o_r
+        m_t = o_t < T
+        row_k = ((bos + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_up = b_u - tl.dot(b_w, b_s, input_precision=DOT_PREC)
+        tl.store(up + row_v, b_up, mask=m_t[:, None] & m_v[None, :])
+
+        b_k = tl.load(k + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+                      mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        p_gam = gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        b_gam = tl.load(p_gam, mask=m_k[None, :], other=0.0)
+        b_glast = tl.load(gam + ((bos_pad + i_c * BT + BT - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        b_kr = b_k * tl.exp(b_glast[None, :] - b_gam)
+        b_s = b_s * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kr), b_up, input_precision=DOT_PREC)
+
+    tl.store(chunk_states + ((i_b * (NC + 1) + NC) * HV + i_hv) * K * V + state_off, b_s, mask=m_kv)
+    tl.store(ht + (i_b * HV + i_hv) * K * V + state_off, b_s, mask=m_kv)
