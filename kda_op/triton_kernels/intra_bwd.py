@@ -1,6 +1,212 @@
+"""Stage 2 of the backward: everything inside one chunk, parallel over chunks.
+
+One program per (chunk, batch * value head). From the residuals U', their grads
+dU', the chunk's saved state S0 and the grad dS_C of its end state, it undoes
+  U = Tm diag(beta) V,  W = Tm diag(beta) (K * exp(gam)),  Tm = (I + diag(beta) A_kk)^-1,
+  O = (Q * exp(gam)) S0 + A_qk U',  S_C = exp(Gam) S0 + (K * exp(Gam - gam))^T U',
+writing dv, dbeta, dg and the per-value-head dq, dk (fp32; the host sums them
+over the G value heads of each key head).
+
+Pass 1 runs over slices of K and stores partial dq, dk, d(gam) while it builds
+dTm; dM = -Tm^T dTm Tm^T then gives dA_kk, and pass 2 takes both dA's back
+through A_kk and A_qk with the same sub-blocks and reference rows as the forward
+(intra_fwd.py), adds the partials and turns d(gam) into dg with a reverse
+cumulative sum over the chunk (dGam goes to every row of it).
+"""
+
+from __future__ import annotations
+
 import triton
 import triton.language as tl
 
+
 @triton.jit
-def kda_intra_bwd_kernel(x):
-    pass
+def kda_intra_bwd_kernel(
+    q, k, v, beta, gam, akk, tm, up, dup, chunk_states, dchunk_states, do,
+    dq, dk, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
+    scale, T, NC,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos = i_b * T
+    bos_pad = i_b * NC * BT
+    t0 = i_c * BT
+
+    o_r = tl.arange(0, BT)
+    o_t = t0 + o_r
+    m_t = o_t < T
+    s0_base = chunk_states + ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V
+    dsc_base = dchunk_states + ((i_b * NC + i_c) * HV + i_hv) * K * V
+    row_c = ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :]
+
+    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_tm = tl.load(tm + row_c, mask=m_t[:, None], other=0.0)
+
+    # ---- over V: dA_qk, dv, dbeta and dTm from U = Tm diag(beta) V
+    b_daqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dtm = tl.zeros([BT, BT], dtype=tl.float32)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
+        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
+        b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_daqk += tl.dot(b_do, tl.trans(b_up), input_precision=DOT_PREC)
+        b_tdu = tl.dot(tl.trans(b_tm), b_dup, input_precision=DOT_PREC)
+        tl.store(dv + row_v, (b_beta[:, None] * b_tdu).to(dv.dtype.element_ty), mask=m_tv)
+        b_dbeta += tl.sum(b_v * b_tdu, 1)
+        b_dtm += tl.dot(b_dup, tl.trans(b_beta[:, None] * b_v), input_precision=DOT_PREC)
+    b_daqk = tl.where(m_t[:, None] & (o_r[:, None] >= o_r[None, :]), b_daqk, 0.0)
+
+    # ---- pass 1 over K slices: everything but the A's
+    for i_s in range(tl.cdiv(K, BKS)):
+        o_s = i_s * BKS + tl.arange(0, BKS)
+        m_s = o_s < K
+        m_ts = m_t[:, None] & m_s[None, :]
+        b_dqg = tl.zeros([BT, BKS], dtype=tl.float32)
+        b_dkr = tl.zeros([BT, BKS], dtype=tl.float32)
+        b_dw = tl.zeros([BT, BKS], dtype=tl.float32)
+        b_dglast = tl.zeros([BKS], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+            b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
+            b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
+            b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
+            sv = o_s[:, None] * V + o_v[None, :]
+            m_sv = m_s[:, None] & m_v[None, :]
+            b_s0 = tl.load(s0_base + sv, mask=m_sv, other=0.0)
+            b_dsc = tl.load(dsc_base + sv, mask=m_sv, other=0.0)
+            b_dqg += tl.dot(b_do, tl.trans(b_s0), input_precision=DOT_PREC)
+            b_dkr += tl.dot(b_up, tl.trans(b_dsc), input_precision=DOT_PREC)
+            b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
+            b_dglast += tl.sum(b_s0 * b_dsc, 1)
+
+        b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + ((bos + o_t[:, None]) * H + i_h) * K + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+        b_gam = tl.load(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
+        b_glast = tl.load(gam + ((bos_pad + t0 + BT - 1) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
+        b_eg = tl.exp(b_gam)
+        b_kg = b_k * b_eg
+        b_rf = tl.exp(b_glast[None, :] - b_gam)
+        b_kr = b_k * b_rf
+
+        # O = Qg S0 + ...; S_C = exp(Gam) S0 + Kr^T U'
+        b_dq = b_dqg * b_eg
+        b_dgam = b_dqg * b_q * b_eg
+        b_dk = b_dkr * b_rf
+        b_dgam -= b_dkr * b_kr
+        b_dglast = b_dglast * tl.exp(b_glast) + tl.sum(b_dkr * b_kr, 0)
+        # W = Tm diag(beta) Kg
+        b_bkg = b_beta[:, None] * b_kg
+        b_dtm += tl.dot(b_dw, tl.trans(b_bkg), input_precision=DOT_PREC)
+        b_tdw = tl.dot(tl.trans(b_tm), b_dw, input_precision=DOT_PREC)
+        b_dbeta += tl.sum(b_kg * b_tdw, 1)
+        b_dkg = b_beta[:, None] * b_tdw
+        b_dk += b_dkg * b_eg
+        b_dgam += b_dkg * b_kg
+
+        row_s = ((bos + o_t[:, None]) * HV + i_hv) * K + o_s[None, :]
+        tl.store(dq + row_s, b_dq, mask=m_ts)
+        tl.store(dk + row_s, b_dk, mask=m_ts)
+        tl.store(dgam + row_s, b_dgam, mask=m_ts)
+        tl.store(dgam_last + ((i_b * NC + i_c) * HV + i_hv) * K + o_s, b_dglast, mask=m_s)
+
+    # ---- Tm = (I + M)^-1  =>  dM = -Tm^T dTm Tm^T; M = diag(beta) A_kk
+    b_dm = -tl.dot(tl.dot(tl.trans(b_tm), b_dtm, input_precision=DOT_PREC), tl.trans(b_tm), input_precision=DOT_PREC)
+    b_dm = tl.where(m_t[:, None] & (o_r[:, None] > o_r[None, :]), b_dm, 0.0)
+    b_akk = tl.load(akk + row_c, mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
+    b_dbeta += tl.sum(b_dm * b_akk, 1)
+    tl.store(dbeta + (bos + o_t) * HV + i_hv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(dakk + row_c, b_beta[:, None] * b_dm, mask=m_t[:, None])
+    tl.store(daqk + row_c, b_daqk, mask=m_t[:, None])
+    tl.debug_barrier()
+
+    # ---- pass 2 over K slices: through A_kk and A_qk, then dg
+    o_c = tl.arange(0, BC)
+    causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
+    for i_s in range(tl.cdiv(K, BKS)):
+        o_s = i_s * BKS + tl.arange(0, BKS)
+        m_s = o_s < K
+        b_carry = tl.load(dgam_last + ((i_b * NC + i_c) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
+        for i_rev in tl.static_range(BT // BC):
+            i_i = BT // BC - 1 - i_rev
+            o_i = t0 + i_i * BC + o_c
+            m_i = o_i < T
+            m_is = m_i[:, None] & m_s[None, :]
+            row_is = ((bos + o_i[:, None]) * HV + i_hv) * K + o_s[None, :]
+            b_qi = tl.load(q + ((bos + o_i[:, None]) * H + i_h) * K + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+            b_ki = tl.load(k + ((bos + o_i[:, None]) * H + i_h) * K + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+            b_gi = tl.load(gam + ((bos_pad + o_i[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
+            b_gr = tl.load(gam + ((bos_pad + t0 + i_i * BC) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
+            b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
+            b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
+            b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
+            da_row = ((bos + o_i[:, None]) * HV + i_hv) * BT
+
+            # block i_i as the row block of (i_i, j), j < i_i; reference: first row of i_i
+            b_ai = tl.exp(b_gi - b_gr[None, :])
+            for i_j in tl.static_range(i_i):
+                o_j = t0 + i_j * BC + o_c
+                b_kj = tl.load(k + ((bos + o_j[:, None]) * H + i_h) * K + o_s[None, :],
+                               mask=(o_j < T)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
+                b_gj = tl.load(gam + ((bos_pad + o_j[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
+                b_kjb = b_kj * tl.exp(b_gr[None, :] - b_gj)
+                col = i_j * BC + o_c[None, :]
+                b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
+                b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
+                b_tq = b_ai * tl.dot(b_dqk, b_kjb, input_precision=DOT_PREC)
+                b_tk = b_ai * tl.dot(b_dkk, b_kjb, input_precision=DOT_PREC)
+                b_dqi += b_tq
+                b_dki += b_tk
+                b_dgi += b_qi * b_tq + b_ki * b_tk
+
+            # block i_i as the column block of (l, i_i), l > i_i; reference: first row of l
+            for i_l in tl.static_range(i_i + 1, BT // BC):
+                o_l = t0 + i_l * BC + o_c
+                m_l = o_l < T
+                m_ls = m_l[:, None] & m_s[None, :]
+                b_ql = tl.load(q + ((bos + o_l[:, None]) * H + i_h) * K + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32) * scale
+                b_kl = tl.load(k + ((bos + o_l[:, None]) * H + i_h) * K + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32)
+                b_gl = tl.load(gam + ((bos_pad + o_l[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
+                b_grl = tl.load(gam + ((bos_pad + t0 + i_l * BC) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
+                b_al = tl.exp(b_gl - b_grl[None, :])
+                b_bi = tl.exp(b_grl[None, :] - b_gi)
+                da_l = ((bos + o_l[:, None]) * HV + i_hv) * BT + i_i * BC + o_c[None, :]
+                b_dqk = tl.load(daqk + da_l, mask=m_l[:, None], other=0.0)
+                b_dkk = tl.load(dakk + da_l, mask=m_l[:, None], other=0.0)
+                b_tk = tl.dot(tl.trans(b_dqk), b_ql * b_al, input_precision=DOT_PREC)
+                b_tk += tl.dot(tl.trans(b_dkk), b_kl * b_al, input_precision=DOT_PREC)
+                b_tk = b_bi * b_tk
+                b_dki += b_tk
+                b_dgi -= b_ki * b_tk
+
+            # diagonal block: exact exp(gam_i - gam_j)
+            col = i_i * BC + o_c[None, :]
+            b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
+            b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
+            b_e = tl.exp(tl.where(causal, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
+            b_tq = tl.sum(b_dqk[:, :, None] * b_ki[None, :, :] * b_e, 1)
+            b_tk = tl.sum(b_dkk[:, :, None] * b_ki[None, :, :] * b_e, 1)
+            b_tkj = tl.sum((b_dqk[:, :, None] * b_qi[:, None, :] + b_dkk[:, :, None] * b_ki[:, None, :]) * b_e, 0)
+            b_dqi += b_tq
+            b_dki += b_tk + b_tkj
+            b_dgi += b_qi * b_tq + b_ki * b_tk - b_ki * b_tkj
+
+            # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
+            b_dgt = tl.cumsum(b_dgi, 0, reverse=True) + b_carry[None, :]
+            b_carry += tl.sum(b_dgi, 0)
+            tl.store(dq + row_is, b_dqi, mask=m_is)
+            tl.store(dk + row_is, b_dki, mask=m_is)
+            tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)

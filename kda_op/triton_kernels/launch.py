@@ -97,3 +97,66 @@ def kda_fwd_triton(
             DOT_PREC=prec, num_warps=4,
         )
     return o, ht, chunk_states
+
+
+def kda_bwd_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    scale: Optional[float], initial_state: Optional[Tensor],
+    chunk_states: Tensor, do: Tensor, dht: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Chunked backward: ``(dq, dk, dv, dg, dbeta, dh0)`` as ``chunk_kda_bwd``.
+
+    Recomputes the intra-chunk quantities of the forward, then runs the reverse
+    scan and the intra-chunk backward. Per-token memory is O(T * (K + V + C));
+    states are kept only per chunk.
+    """
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    chunk_states = chunk_states.contiguous()
+    s = _sizes(q, v)
+    B, T, H, HV, K, V, NC = s["B"], s["T"], s["H"], s["HV"], s["K"], s["V"], s["NC"]
+    G = HV // H
+    scale = K**-0.5 if scale is None else float(scale)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dh0_dtype = torch.float32 if initial_state is None else initial_state.dtype
+
+    if B * HV == 0 or NC == 0:
+        dh0 = (torch.zeros(B, HV, K, V, **f32) if dht is None else dht.to(torch.float32).clone())
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), dh0.to(dh0_dtype))
+
+    prec = _dot_precision(q.dtype)
+    gam, akk, aqk, w, u, tm = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
+
+    up = torch.empty(B, T, HV, V, **f32)
+    dup = torch.empty(B, T, HV, V, **f32)
+    dchunk_states = torch.empty(B, NC, HV, K, V, **f32)
+    dh0 = torch.empty(B, HV, K, V, **f32)
+    dht_arg = dht.contiguous() if dht is not None else dh0
+    kda_state_bwd_kernel[(triton.cdiv(V, s["BV"]), B * HV)](
+        q, k, w, u, gam, aqk, chunk_states, do, dht_arg,
+        up, dup, dchunk_states, dh0,
+        scale, T, NC,
+        H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
+        HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=4,
+    )
+
+    dq_e = torch.empty(B, T, HV, K, **f32)
+    dk_e = torch.empty(B, T, HV, K, **f32)
+    dgam = torch.empty(B, T, HV, K, **f32)
+    dgam_last = torch.empty(B, NC, HV, K, **f32)
+    dakk = torch.empty(B, T, HV, BT, **f32)
+    daqk = torch.empty(B, T, HV, BT, **f32)
+    dv = torch.empty_like(v)
+    dg = torch.empty_like(g)
+    dbeta = torch.empty_like(beta)
+    kda_intra_bwd_kernel[(NC, B * HV)](
+        q, k, v, beta, gam, akk, tm, up, dup, chunk_states, dchunk_states, do,
+        dq_e, dk_e, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
+        scale, T, NC,
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKS=min(32, s["BK"]), BV=s["BV"],
+        DOT_PREC=prec, num_warps=4,
+    )
+    # GVA: sum the G value heads of each key head; q entered the kernels scaled.
+    dq = (dq_e.view(B, T, H, G, K).sum(3) * scale).to(q.dtype)
+    dk = dk_e.view(B, T, H, G, K).sum(3).to(k.dtype)
+    return dq, dk, dv, dg, dbeta, dh0.to(dh0_dtype)

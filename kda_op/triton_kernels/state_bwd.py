@@ -1,6 +1,82 @@
+"""Stage 1 of the backward: the reverse scan over chunks.
+
+One program per (V block, batch * value head) carries dS [K, BV] (the grad of the
+state at the end of the current chunk) from the last chunk to the first. Per
+chunk it recomputes the residuals U' = U - W S0 from the saved chunk state, and
+writes them with
+  dU' = A_qk^T dO + (K * exp(Gam - gam)) dS_C,
+and dS_C itself; then dS0 = (Q * exp(gam))^T dO + exp(Gam) dS_C - W^T dU'.
+After the first chunk dS is the grad of the initial state.
+"""
+
+from __future__ import annotations
+
 import triton
 import triton.language as tl
 
+
 @triton.jit
-def kda_state_bwd_kernel(x):
-    pass
+def kda_state_bwd_kernel(
+    q, k, w, u, gam, aqk, chunk_states, do, dht,
+    up, dup, dchunk_states, dh0,
+    scale, T, NC,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos = i_b * T
+    bos_pad = i_b * NC * BT
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
+    o_r = tl.arange(0, BT)
+
+    if HAS_DHT:
+        b_ds = tl.load(dht + (i_b * HV + i_hv) * K * V + state_off, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_ds = tl.zeros([BK, BV], dtype=tl.float32)
+
+    for i_rev in range(NC):
+        i_c = NC - 1 - i_rev
+        tl.store(dchunk_states + ((i_b * NC + i_c) * HV + i_hv) * K * V + state_off, b_ds, mask=m_kv)
+        o_t = i_c * BT + o_r
+        m_t = o_t < T
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        row_k = ((bos + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+
+        b_s0 = tl.load(chunk_states + ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V + state_off, mask=m_kv, other=0.0)
+        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)
+        b_u = tl.load(u + row_v, mask=m_tv, other=0.0)
+        b_up = b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC)
+        tl.store(up + row_v, b_up, mask=m_tv)
+
+        b_gam = tl.load(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_glast = tl.load(gam + ((bos_pad + i_c * BT + BT - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        b_k = tl.load(k + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_kr = b_k * tl.exp(b_glast[None, :] - b_gam)
+        b_qg = b_q * scale * tl.exp(b_gam)
+        b_a = tl.load(aqk + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :],
+                      mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
+
+        b_dup = tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PREC)
+        b_dup += tl.dot(b_kr, b_ds, input_precision=DOT_PREC)
+        tl.store(dup + row_v, b_dup, mask=m_tv)
+
+        b_ds = b_ds * tl.exp(b_glast)[:, None]
+        b_ds += tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
+        b_ds -= tl.dot(tl.trans(b_w), b_dup, input_precision=DOT_PREC)
+
+    tl.store(dh0 + (i_b * HV + i_hv) * K * V + state_off, b_ds, mask=m_kv)
