@@ -1,7 +1,8 @@
 """The KDA operators: ``torch.ops.kda_op.chunk_kda_fwd`` and ``chunk_kda_bwd``.
 
 One op, several kernels: the CPU kernel is the einsum reference
-(``kda_op.reference``); CUDA kernels register on the same ops. Fake kernels live
+(``kda_op.reference``); the CUDA kernels are the chunked Triton kernels of
+``kda_op.triton_kernels``, registered on the same ops. Fake kernels live
 in ``kda_op.meta``; autograd is registered here so that differentiation goes
 through ``chunk_kda_bwd`` and nothing else. The ops trust their inputs: the public
 functions in ``kda_op.api`` validate them first.
@@ -73,3 +74,24 @@ def _backward(ctx, do: Tensor, dht: Tensor, _dchunk_states: Tensor):
 
 
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# CUDA: the chunked Triton kernels (kda_op/triton_kernels), imported on first use
+# so that importing kda_op needs no triton. fp64 inputs, which the Triton kernels
+# (fp32 state) do not serve, run the einsum reference on the GPU: exact, slow.
+@chunk_kda_fwd.register_kernel("cuda")
+def _chunk_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state):
+    if q.dtype == torch.float64:
+        return kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+    from .triton_kernels import kda_fwd_triton
+
+    return kda_fwd_triton(q, k, v, g, beta, scale, initial_state)
+
+
+@chunk_kda_bwd.register_kernel("cuda")
+def _chunk_kda_bwd_cuda(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht):
+    if q.dtype == torch.float64:
+        return kda_backward_reference(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht)
+    from .triton_kernels import kda_bwd_triton
+
+    return kda_bwd_triton(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht)

@@ -1,6 +1,15 @@
-"""Triton (CUDA) kernels of the KDA ops, one module per stage.
+"""Triton (CUDA) kernels of the KDA ops, one module per stage of the chunked form
+(DESIGN.md section 2; chunks of CHUNK_SIZE = 64 tokens, sub-blocks of 16):
 
-Empty until the CUDA kernels land: until then the ops have no CUDA kernel, and
-calling them on CUDA tensors raises NotImplementedError from the dispatcher
-rather than falling back to another device.
+forward   intra_fwd.py   gam = cumsum(g), A_kk, A_qk, Tm = (I + diag(beta) A_kk)^-1, W, U
+          state_fwd.py   the scan over chunks: chunk states, residuals U' = U - W S0
+          output_fwd.py  O = (Q exp(gam)) S0 + A_qk U'
+backward  intra_fwd.py   recomputed, keeping Tm
+          state_bwd.py   the reverse scan: dU', the grads of the chunk states, dh0
+          intra_bwd.py   dq, dk, dv, dg, dbeta inside each chunk
+host      launch.py      allocation and launches (kda_fwd_triton, kda_bwd_triton)
 """
+
+from .launch import kda_bwd_triton, kda_fwd_triton
+
+__all__ = ["kda_fwd_triton", "kda_bwd_triton"]

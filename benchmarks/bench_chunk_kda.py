@@ -1,0 +1,107 @@
+"""Benchmark: kda_op.chunk_kda against flash-linear-attention's chunk_kda.
+
+Same process, same inputs, triton.testing.do_bench medians; prints a table of
+milliseconds and ours/fla ratios (lower is faster) for the forward and for
+forward+backward, on the standard shapes of DESIGN.md section 4 (bf16, K = V = 128,
+k l2-normalised, g = logsigmoid(randn) clamped to >= -5 in fp32,
+beta = sigmoid(rand), fp32 initial state). Needs a CUDA GPU and fla.
+
+    python benchmarks/bench_chunk_kda.py [--out benchmarks/RESULTS.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+SHAPES = [  # name, B, T, H, HV
+    ("B1-T8192-H16", 1, 8192, 16, 16),
+    ("B2-T8192-H8-HV32", 2, 8192, 8, 32),
+]
+K = V = 128
+
+
+def make_inputs(B, T, H, HV, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt = torch.bfloat16
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q = randn(B, T, H, K).to(dt)
+    k = F.normalize(randn(B, T, H, K), dim=-1).to(dt)
+    v = randn(B, T, HV, V).to(dt)
+    g = F.logsigmoid(randn(B, T, HV, K)).clamp_min(-5.0)
+    beta = torch.sigmoid(torch.rand(B, T, HV, device="cuda", generator=gen)).to(dt)
+    h0 = randn(B, HV, K, V)
+    do = randn(B, T, HV, V).to(dt)
+    return [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)], do
+
+
+def bench(fn, grad_to_none=None):
+    return triton.testing.do_bench(fn, warmup=50, rep=300, grad_to_none=grad_to_none, return_mode="median")
+
+
+def rel_err(a, b):
+    a, b = a.float(), b.float()
+    return ((a - b).norm() / b.norm()).item()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    args = parser.parse_args()
+
+    from fla.ops.kda import chunk_kda as fla_chunk_kda
+    import fla
+
+    from kda_op import chunk_kda as ours_chunk_kda
+
+    impls = {"ours": ours_chunk_kda, "fla": fla_chunk_kda}
+    rows = []
+    for name, B, T, H, HV in SHAPES:
+        inputs, do = make_inputs(B, T, H, HV)
+        q, k, v, g, beta, h0 = inputs
+        res = {}
+        outs = {}
+        for label, fn in impls.items():
+            def fwd(fn=fn):
+                with torch.no_grad():
+                    return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+            def fwd_bwd(fn=fn):
+                o, _ = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                o.backward(do)
+
+            o, ht = fwd()
+            outs[label] = (o, ht)
+            res[label] = (bench(fwd), bench(fwd_bwd, grad_to_none=inputs))
+        err_o = rel_err(outs["ours"][0], outs["fla"][0])
+        err_h = rel_err(outs["ours"][1], outs["fla"][1])
+        rows.append((name, res["ours"][0], res["fla"][0], res["ours"][1], res["fla"][1], err_o, err_h))
+        print(f"{name}: done", flush=True)
+
+    header = ("| shape | fwd ours ms | fwd fla ms | fwd ours/fla | fwd+bwd ours ms | fwd+bwd fla ms "
+              "| fwd+bwd ours/fla | rel diff o | rel diff final state |")
+    lines = [header, "|" + "---|" * 9]
+    for name, fo, ff, bo, bf, eo, eh in rows:
+        lines.append(f"| {name} | {fo:.3f} | {ff:.3f} | {fo / ff:.2f} | {bo:.3f} | {bf:.3f} | {bo / bf:.2f} | {eo:.1e} | {eh:.1e} |")
+    meta = (f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"triton {triton.__version__}, fla {getattr(fla, '__version__', '?')}")
+    table = "\n".join(lines)
+    print(meta)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --out {args.out}`\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""The ops on CUDA (Triton kernels): accuracy, extremes, determinism, memory,
+opcheck, torch.compile and CUDA graphs. Marked gpu: skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inputs import make_inputs
+from kda_op import CHUNK_SIZE, chunk_kda
+from kda_op.reference import kda_backward_reference, kda_forward_reference
+
+pytestmark = pytest.mark.gpu
+NAMES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.double().cpu(), want.double().cpu()
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def _cuda_inputs(B, T, H, G, K, V, dtype, seed, with_h0=True):
+    inputs = make_inputs(B=B, T=T, H=H, G=G, K=K, V=V, dtype=dtype, with_initial_state=with_h0, seed=seed)
+    return {n: (x.cuda() if x is not None else None) for n, x in inputs.items()}
+
+
+def _fwd_bwd(inputs, do, dht, fn=None):
+    fn = fn or (lambda q, k, v, g, beta, h0: chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True))
+    leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items() if x is not None}
+    o, ht = fn(*(leaves.get(n) for n in NAMES))
+    torch.autograd.backward((o, ht), (do, dht))
+    return [o.detach(), ht.detach()] + [leaves[n].grad for n in NAMES if n in leaves]
+
+
+def _reference_fwd_bwd(inputs, do, dht):
+    """The fp64 reference on the CPU, on the same (possibly rounded) inputs."""
+    args = [inputs[n].double().cpu() for n in NAMES[:5]]
+    h0 = inputs["initial_state"].double().cpu() if inputs["initial_state"] is not None else None
+    o, ht, cs = kda_forward_reference(*args, None, h0)
+    grads = kda_backward_reference(*args, None, h0, cs, do.double().cpu(), dht.double().cpu())
+    return [o, ht] + [x for x, n in zip(grads, NAMES) if n != "initial_state" or h0 is not None]
+
+
+SHAPES = [
+    # B, T, H, G, K, V
+    (1, 1000, 2, 1, 128, 128),
+    (2, 300, 2, 2, 96, 80),  # K, V not powers of two
+    (2, 2 * CHUNK_SIZE + 1, 2, 4, 64, 64),  # G = 4
+    (1, 200, 1, 2, 256, 256),  # the largest head dims served
+]
+
+
+@pytest.mark.parametrize("B,T,H,G,K,V", SHAPES)
+def test_cuda_fp32_matches_reference(B, T, H, G, K, V):
+    inputs = _cuda_inputs(B, T, H, G, K, V, torch.float32, seed=T + K)
+    do = torch.randn(B, T, H * G, V, device="cuda")
+    dht = torch.randn(B, H * G, K, V, device="cuda")
+    got = _fwd_bwd(inputs, do, dht)
+    want = _reference_fwd_bwd(inputs, do, dht)
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        # 3xTF32 dots are about fp32; the chunked form sums in another order.
+        assert _rel_err(a, b) < 1e-4, (name, _rel_err(a, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cuda_half_precision_matches_reference(dtype):
+    B, T, H, G, K, V = 2, 333, 2, 2, 128, 128
+    inputs = _cuda_inputs(B, T, H, G, K, V, dtype, seed=11)
+    do = torch.randn(B, T, H * G, V, device="cuda", dtype=dtype)
+    dht = torch.randn(B, H * G, K, V, device="cuda")
+    got = _fwd_bwd(inputs, do, dht)
+    want = _reference_fwd_bwd(inputs, do, dht)
+    assert got[0].dtype == dtype and got[1].dtype == torch.float32
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        # Outputs and grads are rounded to bf16/fp16 (eps 2^-8 / 2^-11) and the
+        # dots run in TF32 (2^-11): a relative error of 1e-2 is that rounding.
+        assert _rel_err(a, b) < 1e-2, (name, _rel_err(a, b))
+
+
+def test_cuda_strong_decay_stays_finite_and_accurate():
+    """Per-token g of -5 across whole chunks, occasional -20, beta in [0, 2]."""
+    B, T, H, G, K, V = 1, 4 * CHUNK_SIZE + 5, 2, 2, 128, 128
+    inputs = _cuda_inputs(B, T, H, G, K, V, torch.float32, seed=5)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    g = torch.full((B, T, H * G, K), -5.0, device="cuda")
+    spikes = torch.rand(g.shape, generator=gen, device="cuda") < 0.02
+    g = torch.where(spikes, torch.full_like(g, -20.0), g)
+    g[:, CHUNK_SIZE:2 * CHUNK_SIZE] = F.logsigmoid(torch.randn(B, CHUNK_SIZE, H * G, K, device="cuda", generator=gen))
+    inputs["g"] = g
+    inputs["beta"] = 2 * torch.rand(B, T, H * G, device="cuda", generator=gen)
+    do = torch.randn(B, T, H * G, V, device="cuda")
+    dht = torch.randn(B, H * G, K, V, device="cuda")
+    got = _fwd_bwd(inputs, do, dht)
+    for x in got:
+        assert torch.isfinite(x).all()
+    want = _reference_fwd_bwd(inputs, do, dht)
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
+        assert _rel_err(a, b) < 1e-4, (name, _rel_err(a, b))
+
+
+def test_cuda_long_sequence_is_finite():
+    B, T, H, K, V = 1, 65536, 1, 128, 128
+    inputs = _cuda_inputs(B, T, H, 2, K, V, torch.bfloat16, seed=6)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    inputs["g"] = F.logsigmoid(torch.randn(B, T, 2, K, device="cuda", generator=gen)).clamp_min(-5.0)
+    inputs["beta"] = (2 * torch.rand(B, T, 2, device="cuda", generator=gen)).to(torch.bfloat16)
+    do = torch.randn(B, T, 2, V, device="cuda", dtype=torch.bfloat16)
+    dht = torch.randn(B, 2, K, V, device="cuda")
+    for x in _fwd_bwd(inputs, do, dht):
+        assert torch.isfinite(x.float()).all()
+
+
+def test_cuda_deterministic():
+    inputs = _cuda_inputs(2, 777, 2, 2, 128, 128, torch.bfloat16, seed=8)
+    do = torch.randn(2, 777, 4, 128, device="cuda", dtype=torch.bfloat16)
+    dht = torch.randn(2, 4, 128, 128, device="cuda")
+    first = _fwd_bwd(inputs, do, dht)
+    for _ in range(3):
+        again = _fwd_bwd(inputs, do, dht)
+        for a, b in zip(first, again):
+            assert torch.equal(a, b)
+
+
+def test_cuda_backward_memory_is_per_chunk():
+    """Peak memory of the backward grows per token by far less than a [K, V]
+    state: only per-chunk states are kept."""
+    K = V = 128
+    HV = 4
+
+    def peak(T):
+        inputs = _cuda_inputs(1, T, 2, 2, K, V, torch.bfloat16, seed=T)
+        args = [inputs[n] for n in NAMES[:5]]
+        o, ht, cs = torch.ops.kda_op.chunk_kda_fwd(*args, None, inputs["initial_state"])
+        do, dht = torch.randn_like(o), torch.randn_like(ht)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.ops.kda_op.chunk_kda_bwd(*args, None, inputs["initial_state"], cs, do, dht)
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+
+    T1, T2 = 4096, 8192
+    growth_per_token = (peak(T2) - peak(T1)) / (T2 - T1)
+    state_per_token = HV * K * V * 4
+    assert growth_per_token < 0.25 * state_per_token, growth_per_token
+
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_cuda_opcheck(with_h0):
+    inputs = _cuda_inputs(2, CHUNK_SIZE + 3, 2, 2, 32, 32, torch.bfloat16, seed=9, with_h0=with_h0)
+    for x in inputs.values():
+        if x is not None:
+            x.requires_grad_(True)
+    args = tuple(inputs[n] for n in NAMES[:5]) + (None, inputs["initial_state"])
+    torch.library.opcheck(torch.ops.kda_op.chunk_kda_fwd.default, args, test_utils=OPCHECK_UTILS)
+    with torch.no_grad():
+        o, ht, cs = torch.ops.kda_op.chunk_kda_fwd(*args)
+    bwd_args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args) + (cs, torch.randn_like(o), torch.randn_like(ht))
+    torch.library.opcheck(torch.ops.kda_op.chunk_kda_bwd.default, bwd_args, test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_cuda_compile_fullgraph_forward_backward(dynamic):
+    """Compiled grads equal eager ones on the GPU, with and without dynamic shapes."""
+    torch._dynamo.reset()
+
+    def fn(q, k, v, g, beta, h0):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+
+    compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    for T in (100, 300):
+        inputs = _cuda_inputs(2, T, 2, 2, 64, 64, torch.bfloat16, seed=T)
+        do = torch.randn(2, T, 4, 64, device="cuda", dtype=torch.bfloat16)
+        dht = torch.randn(2, 4, 64, 64, device="cuda")
+        eager = _fwd_bwd(inputs, do, dht, fn)
+        comp = _fwd_bwd(inputs, do, dht, compiled)
+        for a, b in zip(comp, eager):
+            # Same kernels; inductor may only fuse the casts around them.
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2)
+            assert _rel_err(a, b) < 1e-3
+
+
+def test_cuda_graph_capture_and_replay():
+    B, T, H, G, K, V = 2, 200, 2, 2, 64, 64
+    static = _cuda_inputs(B, T, H, G, K, V, torch.bfloat16, seed=12)
+    static = {n: x.detach().clone().requires_grad_(True) for n, x in static.items()}
+    static_do = torch.randn(B, T, H * G, V, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        o, ht = chunk_kda(*(static[n] for n in NAMES[:5]), initial_state=static["initial_state"], output_final_state=True)
+        grads = torch.autograd.grad((o, ht), [static[n] for n in NAMES], (static_do, torch.ones_like(ht)))
+        return [o, ht, *grads]
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = step()
+
+    for seed in (13, 14):
+        fresh = _cuda_inputs(B, T, H, G, K, V, torch.bfloat16, seed=seed)
+        with torch.no_grad():
+            for n in NAMES:
+                static[n].copy_(fresh[n])
+            static_do.copy_(torch.randn_like(static_do))
+        graph.replay()
+        eager = step()
+        for a, b in zip(static_out, eager):
+            assert torch.equal(a, b)

@@ -1,0 +1,82 @@
+"""The Triton kernels against the fp32 reference, forward and backward, at tiny
+shapes. On a machine without a GPU they run in Triton's interpreter on CPU
+tensors (TRITON_INTERPRET=1, set by conftest.py); with a GPU, on CUDA."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from inputs import make_inputs
+from kda_op import CHUNK_SIZE
+from kda_op.reference import kda_backward_reference, kda_forward_reference
+
+triton = pytest.importorskip("triton")
+from kda_op.triton_kernels import kda_bwd_triton, kda_fwd_triton  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
+
+NAMES = ("q", "k", "v", "g", "beta")
+# fp32 everywhere; on a GPU the dots run as 3xTF32 (about fp32), and the chunked
+# form sums in another order than the token loop.
+FP32_TOL = dict(rtol=2e-4, atol=2e-5)
+
+SHAPES = [
+    # B, T, H, G, K, V, initial state, dht
+    (1, 5, 1, 1, 16, 16, True, True),  # shorter than a sub-block
+    (2, CHUNK_SIZE, 1, 2, 16, 32, False, True),  # exactly one chunk, GVA
+    (1, CHUNK_SIZE + 19, 2, 2, 24, 20, True, False),  # K, V not powers of two; partial chunk
+    (1, 2 * CHUNK_SIZE + 7, 1, 4, 32, 16, True, True),  # three chunks, G = 4
+]
+
+
+def _inputs(B, T, H, G, K, V, with_h0, seed):
+    inputs = make_inputs(B=B, T=T, H=H, G=G, K=K, V=V, dtype=torch.float32,
+                         with_initial_state=with_h0, seed=seed)
+    return {n: (x.to(DEVICE) if x is not None else None) for n, x in inputs.items()}
+
+
+def _rel_close(got, want, name):
+    torch.testing.assert_close(got.cpu(), want.cpu(), **FP32_TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("B,T,H,G,K,V,with_h0,with_dht", SHAPES)
+def test_triton_forward_and_backward_match_reference(B, T, H, G, K, V, with_h0, with_dht):
+    inputs = _inputs(B, T, H, G, K, V, with_h0, seed=T)
+    args = [inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+
+    o, ht, cs = kda_fwd_triton(*args, None, h0)
+    o_ref, ht_ref, cs_ref = kda_forward_reference(*args, None, h0)
+    assert o.shape == o_ref.shape and cs.shape == cs_ref.shape
+    _rel_close(o, o_ref, "o")
+    _rel_close(ht, ht_ref, "final_state")
+    _rel_close(cs, cs_ref, "chunk_states")
+
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(o.shape, generator=gen).to(DEVICE)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE) if with_dht else None
+    grads = kda_bwd_triton(*args, None, h0, cs_ref, do, dht)
+    grads_ref = kda_backward_reference(*args, None, h0, cs_ref, do, dht)
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        _rel_close(got, want, name)
+
+
+def test_triton_explicit_scale_and_empty_sequence():
+    inputs = _inputs(1, 9, 1, 2, 16, 16, True, seed=3)
+    args = [inputs[n] for n in NAMES]
+    o, ht, _ = kda_fwd_triton(*args, 0.3, inputs["initial_state"])
+    o_ref, ht_ref, _ = kda_forward_reference(*args, 0.3, inputs["initial_state"])
+    _rel_close(o, o_ref, "o")
+    _rel_close(ht, ht_ref, "final_state")
+
+    empty = _inputs(2, 0, 1, 2, 16, 16, True, seed=4)
+    args = [empty[n] for n in NAMES]
+    o, ht, cs = kda_fwd_triton(*args, None, empty["initial_state"])
+    assert o.shape == (2, 0, 2, 16) and cs.shape == (2, 1, 2, 16, 16)
+    torch.testing.assert_close(ht, empty["initial_state"], rtol=0, atol=0)
