@@ -53,9 +53,30 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
+def print_kernel_breakdown(fn) -> None:
+    """Our forward+backward on the first shape under torch.profiler, top kernels."""
+    name, B, T, H, HV = SHAPES[0]
+    inputs, do = make_inputs(B, T, H, HV)
+    q, k, v, g, beta, h0 = inputs
+
+    def step():
+        o, _ = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o.backward(do)
+
+    step()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+    print(f"kernels of 5 forward+backward steps, {name}:")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    parser.add_argument("--kernels", action="store_true", help="also print our forward+backward's kernels by GPU time")
     args = parser.parse_args()
 
     from fla.ops.kda import chunk_kda as fla_chunk_kda
@@ -97,6 +118,8 @@ def main() -> int:
     table = "\n".join(lines)
     print(meta)
     print(table)
+    if args.kernels:
+        print_kernel_breakdown(ours_chunk_kda)
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --out {args.out}`\n\n{table}\n")

@@ -7,11 +7,12 @@ dU', the chunk's saved state S0 and the grad dS_C of its end state, it undoes
 writing dv, dbeta, dg and the per-value-head dq, dk (fp32; the host sums them
 over the G value heads of each key head).
 
-Pass 1 runs over slices of K and stores partial dq, dk, d(gam) while it builds
+Pass 1 runs over slices of K (BKS wide) and stores partial dq, dk, d(gam) while it builds
 dTm; dM = -Tm^T dTm Tm^T then gives dA_kk, and pass 2 takes both dA's back
 through A_kk and A_qk with the same sub-blocks and reference rows as the forward
 (intra_fwd.py), adds the partials and turns d(gam) into dg with a reverse
-cumulative sum over the chunk (dGam goes to every row of it).
+cumulative sum over the chunk (dGam goes to every row of it); its slices (BKD
+wide) are narrower, since the diagonal blocks hold [BC, BC, BKD] tensors.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def kda_intra_bwd_kernel(
     dq, dk, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
     scale, T, NC,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
@@ -136,8 +137,8 @@ def kda_intra_bwd_kernel(
     # ---- pass 2 over K slices: through A_kk and A_qk, then dg
     o_c = tl.arange(0, BC)
     causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
-    for i_s in range(tl.cdiv(K, BKS)):
-        o_s = i_s * BKS + tl.arange(0, BKS)
+    for i_s in range(tl.cdiv(K, BKD)):
+        o_s = i_s * BKD + tl.arange(0, BKD)
         m_s = o_s < K
         b_carry = tl.load(dgam_last + ((i_b * NC + i_c) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
         for i_rev in tl.static_range(BT // BC):

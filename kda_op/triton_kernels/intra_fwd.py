@@ -121,6 +121,8 @@ def kda_intra_fwd_kernel(
 
     b_k = tl.load(k + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    # gam is reloaded rather than kept live through the inverse (register pressure).
+    b_gam = tl.load(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
     b_w = tl.dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), input_precision=DOT_PREC)
     tl.store(w + ((bos + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_w, mask=m_t[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):

@@ -40,8 +40,11 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         B=B, T=T, H=H, K=K, HV=HV, V=V,
         NC=triton.cdiv(T, BT),
         BK=BK,
-        BKS=min(32, BK),
-        BV=min(64, max(16, triton.next_power_of_2(V))),
+        # K slice of the [BC, BC, BKS] tensors of the diagonal sub-blocks
+        BKS=16,
+        BV=min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V))),
+        # the scans hold a [BK, BV] fp32 state in registers
+        scan_warps=8 if BK >= 256 else 4,
     )
 
 
@@ -88,7 +91,7 @@ def kda_fwd_triton(
     kda_state_fwd_kernel[(triton.cdiv(V, s["BV"]), B * HV)](
         k, w, u, gam, h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-        HAS_H0=h0 is not None, DOT_PREC=prec, num_warps=4,
+        HAS_H0=h0 is not None, DOT_PREC=prec, num_warps=s["scan_warps"],
     )
     if NC > 0:
         kda_output_fwd_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
@@ -137,7 +140,7 @@ def kda_bwd_triton(
         up, dup, dchunk_states, dh0,
         scale, T, NC,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-        HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=4,
+        HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=s["scan_warps"],
     )
 
     dq_e = torch.empty(B, T, HV, K, **f32)
@@ -153,7 +156,7 @@ def kda_bwd_triton(
         q, k, v, beta, gam, akk, tm, up, dup, chunk_states, dchunk_states, do,
         dq_e, dk_e, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
         scale, T, NC,
-        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKS=min(32, s["BK"]), BV=s["BV"],
+        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKS=32, BKD=16, BV=s["BV"],
         DOT_PREC=prec, num_warps=4,
     )
     # GVA: sum the G value heads of each key head; q entered the kernels scaled.
