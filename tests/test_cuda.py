@@ -151,7 +151,7 @@ OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor",
 
 @pytest.mark.parametrize("with_h0", [True, False])
 def test_cuda_opcheck(with_h0):
-    inputs = _cuda_inputs(2, CHUNK_SIZE + 3, 2, 2, 32, 32, torch.bfloat16, seed=9, with_h0=with_h0)
+    inputs = _cuda_inputs(2, CHUNK_SIZE + 3, 2, 2, 128, 128, torch.bfloat16, seed=9, with_h0=with_h0)
     for x in inputs.values():
         if x is not None:
             x.requires_grad_(True)
@@ -173,9 +173,9 @@ def test_cuda_compile_fullgraph_forward_backward(dynamic):
 
     compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
     for T in (100, 300):
-        inputs = _cuda_inputs(2, T, 2, 2, 64, 64, torch.bfloat16, seed=T)
-        do = torch.randn(2, T, 4, 64, device="cuda", dtype=torch.bfloat16)
-        dht = torch.randn(2, 4, 64, 64, device="cuda")
+        inputs = _cuda_inputs(2, T, 2, 2, 128, 128, torch.bfloat16, seed=T)
+        do = torch.randn(2, T, 4, 128, device="cuda", dtype=torch.bfloat16)
+        dht = torch.randn(2, 4, 128, 128, device="cuda")
         eager = _fwd_bwd(inputs, do, dht, fn)
         comp = _fwd_bwd(inputs, do, dht, compiled)
         for a, b in zip(comp, eager):
@@ -185,7 +185,7 @@ def test_cuda_compile_fullgraph_forward_backward(dynamic):
 
 
 def test_cuda_graph_capture_and_replay():
-    B, T, H, G, K, V = 2, 200, 2, 2, 64, 64
+    B, T, H, G, K, V = 2, 200, 2, 2, 128, 128
     static = _cuda_inputs(B, T, H, G, K, V, torch.bfloat16, seed=12)
     static = {n: x.detach().clone().requires_grad_(True) for n, x in static.items()}
     static_do = torch.randn(B, T, H * G, V, device="cuda", dtype=torch.bfloat16)

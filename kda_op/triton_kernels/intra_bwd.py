@@ -26,7 +26,8 @@ def kda_intra_bwd_kernel(
     q, k, v, beta, gam, akk, tm, up, dup, chunk_states, dchunk_states, do,
     dq, dk, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
     scale, T, NC,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
@@ -141,8 +142,7 @@ def kda_intra_bwd_kernel(
         o_s = i_s * BKD + tl.arange(0, BKD)
         m_s = o_s < K
         b_carry = tl.load(dgam_last + ((i_b * NC + i_c) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
-        for i_rev in tl.static_range(BT // BC):
-            i_i = BT // BC - 1 - i_rev
+        for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
             o_i = t0 + i_i * BC + o_c
             m_i = o_i < T
             m_is = m_i[:, None] & m_s[None, :]

@@ -26,7 +26,8 @@ def kda_intra_fwd_kernel(
     q, k, v, g, beta,
     gam, akk, aqk, w, u, tm,
     scale, T, NC,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
@@ -85,7 +86,7 @@ def kda_intra_fwd_kernel(
         b_akk_d = tl.zeros([BC, BC], dtype=tl.float32)
         b_aqk_d = tl.zeros([BC, BC], dtype=tl.float32)
         causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
-        for i_s in tl.static_range(BK // BKS):
+        for i_s in range(BK // BKS):  # a runtime loop: unrolled, it multiplies compile time
             o_s = i_s * BKS + tl.arange(0, BKS)
             m_s = o_s < K
             b_qs = tl.load(q + ((bos + o_i[:, None]) * H + i_h) * K + o_s[None, :],

@@ -23,6 +23,9 @@ from .state_fwd import kda_state_fwd_kernel
 
 BT = CHUNK_SIZE  # chunk length of the kernels = the chunk length of the saved states
 BC = 16  # sub-block length inside a chunk (see intra_fwd.py on numerics)
+# The scans: 8 warps spread the [BK, BV] fp32 state; one stage, since pipelining
+# their per-chunk loads multiplies shared memory past the H200's 227 KB.
+_SCAN_LAUNCH = dict(num_warps=8, num_stages=1)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -43,8 +46,6 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         # K slice of the [BC, BC, BKS] tensors of the diagonal sub-blocks
         BKS=16,
         BV=min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V))),
-        # the scans hold a [BK, BV] fp32 state in registers
-        scan_warps=8 if BK >= 256 else 4,
     )
 
 
@@ -60,7 +61,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
     kda_intra_fwd_kernel[(NC, B * HV)](
         q, k, v, g, beta, gam, akk, aqk, w, u, tm, scale, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BKS=s["BKS"], BV=s["BV"],
-        STORE_TM=store_tm, DOT_PREC=_dot_precision(q.dtype), num_warps=4,
+        STORE_TM=store_tm, DOT_PREC=_dot_precision(q.dtype), num_warps=8,
     )
     return gam, akk, aqk, w, u, (tm if store_tm else None)
 
@@ -91,13 +92,13 @@ def kda_fwd_triton(
     kda_state_fwd_kernel[(triton.cdiv(V, s["BV"]), B * HV)](
         k, w, u, gam, h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-        HAS_H0=h0 is not None, DOT_PREC=prec, num_warps=s["scan_warps"],
+        HAS_H0=h0 is not None, DOT_PREC=prec, **_SCAN_LAUNCH,
     )
     if NC > 0:
         kda_output_fwd_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
             q, gam, aqk, up, chunk_states, o, scale, T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-            DOT_PREC=prec, num_warps=4,
+            DOT_PREC=prec, num_warps=8,
         )
     return o, ht, chunk_states
 
@@ -140,7 +141,7 @@ def kda_bwd_triton(
         up, dup, dchunk_states, dh0,
         scale, T, NC,
         H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-        HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=s["scan_warps"],
+        HAS_DHT=dht is not None, DOT_PREC=prec, **_SCAN_LAUNCH,
     )
 
     dq_e = torch.empty(B, T, HV, K, **f32)
@@ -157,7 +158,7 @@ def kda_bwd_triton(
         dq_e, dk_e, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
         scale, T, NC,
         H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKS=32, BKD=16, BV=s["BV"],
-        DOT_PREC=prec, num_warps=4,
+        DOT_PREC=prec, num_warps=8,
     )
     # GVA: sum the G value heads of each key head; q entered the kernels scaled.
     dq = (dq_e.view(B, T, H, G, K).sum(3) * scale).to(q.dtype)

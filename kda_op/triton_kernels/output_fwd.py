@@ -14,7 +14,8 @@ def kda_output_fwd_kernel(
     q, gam, aqk, up, chunk_states,
     o,
     scale, T, NC,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):

@@ -20,7 +20,8 @@ def kda_state_bwd_kernel(
     q, k, w, u, gam, aqk, chunk_states, do, dht,
     up, dup, dchunk_states, dh0,
     scale, T, NC,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):

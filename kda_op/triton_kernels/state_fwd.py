@@ -16,7 +16,8 @@ def kda_state_fwd_kernel(
     k, w, u, gam, h0,
     up, chunk_states, ht,
     T, NC,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
