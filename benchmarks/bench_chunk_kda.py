@@ -77,14 +77,20 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--kernels", action="store_true", help="also print our forward+backward's kernels by GPU time")
+    parser.add_argument("--impl", choices=["both", "ours"], default="both",
+                        help="'ours' skips fla (no ratios), e.g. to time our kernels without fla's autotuning")
     args = parser.parse_args()
-
-    from fla.ops.kda import chunk_kda as fla_chunk_kda
-    import fla
 
     from kda_op import chunk_kda as ours_chunk_kda
 
-    impls = {"ours": ours_chunk_kda, "fla": fla_chunk_kda}
+    impls = {"ours": ours_chunk_kda}
+    fla_version = "not run"
+    if args.impl == "both":
+        import fla
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        impls["fla"] = fla_chunk_kda
+        fla_version = getattr(fla, "__version__", "?")
     rows = []
     for name, B, T, H, HV in SHAPES:
         inputs, do = make_inputs(B, T, H, HV)
@@ -92,6 +98,8 @@ def main() -> int:
         res = {}
         outs = {}
         for label, fn in impls.items():
+            print(f"{name}: {label}: first call (compiles; fla also autotunes)", flush=True)
+
             def fwd(fn=fn):
                 with torch.no_grad():
                     return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
@@ -101,12 +109,15 @@ def main() -> int:
                 o.backward(do)
 
             o, ht = fwd()
+            fwd_bwd()
             outs[label] = (o, ht)
             res[label] = (bench(fwd), bench(fwd_bwd, grad_to_none=inputs))
-        err_o = rel_err(outs["ours"][0], outs["fla"][0])
-        err_h = rel_err(outs["ours"][1], outs["fla"][1])
-        rows.append((name, res["ours"][0], res["fla"][0], res["ours"][1], res["fla"][1], err_o, err_h))
-        print(f"{name}: done", flush=True)
+            print(f"{name}: {label}: forward {res[label][0]:.3f} ms, forward+backward {res[label][1]:.3f} ms", flush=True)
+        nan = float("nan")
+        fla_fwd, fla_fb = res.get("fla", (nan, nan))
+        err_o = rel_err(outs["ours"][0], outs["fla"][0]) if "fla" in outs else nan
+        err_h = rel_err(outs["ours"][1], outs["fla"][1]) if "fla" in outs else nan
+        rows.append((name, res["ours"][0], fla_fwd, res["ours"][1], fla_fb, err_o, err_h))
 
     header = ("| shape | fwd ours ms | fwd fla ms | fwd ours/fla | fwd+bwd ours ms | fwd+bwd fla ms "
               "| fwd+bwd ours/fla | rel diff o | rel diff final state |")
@@ -114,7 +125,7 @@ def main() -> int:
     for name, fo, ff, bo, bf, eo, eh in rows:
         lines.append(f"| {name} | {fo:.3f} | {ff:.3f} | {fo / ff:.2f} | {bo:.3f} | {bf:.3f} | {bo / bf:.2f} | {eo:.1e} | {eh:.1e} |")
     meta = (f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
-            f"triton {triton.__version__}, fla {getattr(fla, '__version__', '?')}")
+            f"triton {triton.__version__}, fla {fla_version}")
     table = "\n".join(lines)
     print(meta)
     print(table)
@@ -122,7 +133,7 @@ def main() -> int:
         print_kernel_breakdown(ours_chunk_kda)
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --out {args.out}`\n\n{table}\n")
+            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --impl {args.impl} --out {args.out}`\n\n{table}\n")
     return 0
 
 
