@@ -16,3 +16,5 @@ timeout "$LIMIT" python3 -m pytest -q -ra --tb=short tests/ --ignore=tests/test_
 wait
 cat "$OUT/bench.txt"
 for f in "$OUT"/tests_*.txt; do echo "== $f"; tail -n 25 "$f"; done
+timeout "${DECODE_LIMIT:-120}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" > "$OUT/bench_decode.txt" 2>&1
+cat "$OUT/bench_decode.txt"

@@ -64,3 +64,31 @@ def chunk_kda(
         q, k, v, g, beta, None if scale is None else float(scale), initial_state
     )
     return o, (final_state if output_final_state else None)
+
+
+def fused_recurrent_kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[Tensor] = None,
+    output_final_state: bool = False,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """Kimi Delta Attention token by token: the decoding path.
+
+    Same arguments, results and checks as :func:`chunk_kda` (fla's
+    ``fused_recurrent_kda`` convention). On CUDA a Triton kernel holds each
+    state tile on chip for the whole sequence and writes no chunk states, which
+    suits single-token steps and short sequences; for long sequences use
+    ``chunk_kda``. Runs through ``torch.ops.kda_op.fused_recurrent_kda_fwd``;
+    differentiable (its backward recomputes the chunk states and reuses
+    ``chunk_kda_bwd``), and traceable by ``torch.compile(fullgraph=True)``,
+    ``torch.export`` and CUDA graph capture.
+    """
+    check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state)
+    o, final_state = torch.ops.kda_op.fused_recurrent_kda_fwd(
+        q, k, v, g, beta, None if scale is None else float(scale), initial_state
+    )
+    return o, (final_state if output_final_state else None)

@@ -1,4 +1,5 @@
-"""The KDA operators: ``torch.ops.kda_op.chunk_kda_fwd`` and ``chunk_kda_bwd``.
+"""The KDA operators: ``torch.ops.kda_op.chunk_kda_fwd``, ``chunk_kda_bwd`` and
+``fused_recurrent_kda_fwd``.
 
 One op, several kernels: the CPU kernel is the einsum reference
 (``kda_op.reference``); the CUDA kernels are the chunked Triton kernels of
@@ -95,3 +96,50 @@ def _chunk_kda_bwd_cuda(q, k, v, g, beta, scale, initial_state, chunk_states, do
     from .triton_kernels import kda_bwd_triton
 
     return kda_bwd_triton(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::fused_recurrent_kda_fwd", mutates_args=(), device_types="cpu")
+def fused_recurrent_kda_fwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    initial_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """KDA forward token by token, for decoding: ``(o [B,T,HV,V], final_state
+    [B,HV,K,V])``. Saves no chunk states; its backward recomputes them."""
+    o, final_state, _ = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+    return o, final_state
+
+
+@fused_recurrent_kda_fwd.register_kernel("cuda")
+def _fused_recurrent_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state):
+    if q.dtype == torch.float64:
+        o, final_state, _ = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+        return o, final_state
+    from .triton_kernels import kda_recurrent_fwd_triton
+
+    return kda_recurrent_fwd_triton(q, k, v, g, beta, scale, initial_state)
+
+
+def _recurrent_setup_context(ctx, inputs, output) -> None:
+    q, k, v, g, beta, scale, initial_state = inputs
+    ctx.scale = scale
+    ctx.has_initial_state = initial_state is not None
+    ctx.save_for_backward(q, k, v, g, beta, initial_state)
+
+
+def _recurrent_backward(ctx, do: Tensor, dht: Tensor):
+    # Decoding rarely needs grads: rather than make every decode step write chunk
+    # states, the backward recomputes them with the chunked forward.
+    q, k, v, g, beta, initial_state = ctx.saved_tensors
+    _, _, chunk_states = torch.ops.kda_op.chunk_kda_fwd(q, k, v, g, beta, ctx.scale, initial_state)
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.kda_op.chunk_kda_bwd(
+        q, k, v, g, beta, ctx.scale, initial_state, chunk_states, do, dht
+    )
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None)
+
+
+fused_recurrent_kda_fwd.register_autograd(_recurrent_backward, setup_context=_recurrent_setup_context)

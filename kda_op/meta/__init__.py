@@ -4,6 +4,6 @@ Written with symbolic sizes and no branch on a size, so ``torch.compile(dynamic=
 and ``torch.export`` keep batch and sequence length dynamic.
 """
 
-from .fake_kernels import chunk_kda_bwd_fake, chunk_kda_fwd_fake
+from .fake_kernels import chunk_kda_bwd_fake, chunk_kda_fwd_fake, fused_recurrent_kda_fwd_fake
 
-__all__ = ["chunk_kda_fwd_fake", "chunk_kda_bwd_fake"]
+__all__ = ["chunk_kda_fwd_fake", "chunk_kda_bwd_fake", "fused_recurrent_kda_fwd_fake"]

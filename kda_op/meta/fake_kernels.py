@@ -1,4 +1,5 @@
-"""Fake kernels registered on ``kda_op::chunk_kda_fwd`` and ``kda_op::chunk_kda_bwd``.
+"""Fake kernels registered on ``kda_op::chunk_kda_fwd``, ``kda_op::chunk_kda_bwd``
+and ``kda_op::fused_recurrent_kda_fwd``.
 
 Every real kernel returns fresh contiguous tensors, so these return
 ``new_empty`` tensors of the same shapes and dtypes.
@@ -58,3 +59,20 @@ def chunk_kda_bwd_fake(
     dh0_dtype = state_dtype(q.dtype) if initial_state is None else initial_state.dtype
     dh0 = q.new_empty((B, HV, K, V), dtype=dh0_dtype)
     return dq, dk, dv, dg, dbeta, dh0
+
+
+@torch.library.register_fake("kda_op::fused_recurrent_kda_fwd")
+def fused_recurrent_kda_fwd_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    initial_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    o = v.new_empty((B, T, HV, V))
+    final_state = q.new_empty((B, HV, K, V), dtype=state_dtype(q.dtype))
+    return o, final_state

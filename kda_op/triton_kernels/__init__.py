@@ -7,9 +7,11 @@ forward   intra_fwd.py   gam = cumsum(g), A_kk, A_qk, Tm = (I + diag(beta) A_kk)
 backward  intra_fwd.py   recomputed, keeping Tm
           state_bwd.py   the reverse scan: dU', the grads of the chunk states, dh0
           intra_bwd.py   dq, dk, dv, dg, dbeta inside each chunk
-host      launch.py      allocation and launches (kda_fwd_triton, kda_bwd_triton)
+decode    recurrent_fwd.py  token by token, the state held on chip (fused_recurrent_kda)
+host      launch.py      allocation and launches (kda_fwd_triton, kda_bwd_triton,
+                         kda_recurrent_fwd_triton)
 """
 
-from .launch import kda_bwd_triton, kda_fwd_triton
+from .launch import kda_bwd_triton, kda_fwd_triton, kda_recurrent_fwd_triton
 
-__all__ = ["kda_fwd_triton", "kda_bwd_triton"]
+__all__ = ["kda_fwd_triton", "kda_bwd_triton", "kda_recurrent_fwd_triton"]

@@ -18,6 +18,7 @@ from .._contract import CHUNK_SIZE
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_fwd import kda_intra_fwd_kernel
 from .output_fwd import kda_output_fwd_kernel
+from .recurrent_fwd import kda_recurrent_fwd_kernel
 from .state_bwd import kda_state_bwd_kernel
 from .state_fwd import kda_state_fwd_kernel
 
@@ -166,3 +167,28 @@ def kda_bwd_triton(
     dq = (dq_e.view(B, T, H, G, K).sum(3) * scale).to(q.dtype)
     dk = dk_e.view(B, T, H, G, K).sum(3).to(k.dtype)
     return dq, dk, dv, dg, dbeta, dh0.to(dh0_dtype)
+
+
+def kda_recurrent_fwd_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    scale: Optional[float], initial_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor]:
+    """Token-by-token forward for decoding: ``(o, final_state)`` as
+    ``fused_recurrent_kda_fwd``."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    scale = K**-0.5 if scale is None else float(scale)
+    h0 = None if initial_state is None else initial_state.contiguous()
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    ht = torch.empty(B, HV, K, V, device=q.device, dtype=torch.float32)
+    if B * HV == 0:
+        return o, ht
+    BK = max(16, triton.next_power_of_2(K))
+    # Small V blocks: more programs in flight to hide the state's memory traffic.
+    BV = min(32, max(16, triton.next_power_of_2(V)))
+    kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, scale, T, H, HV,
+        K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, num_warps=4,
+    )
+    return o, ht

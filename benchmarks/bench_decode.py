@@ -1,0 +1,102 @@
+"""Decode benchmark: kda_op.fused_recurrent_kda against fla's fused_recurrent_kda
+at T = 1 (DESIGN.md section 4: B = 64 and B = 256, HV = 32, H = 16, K = V = 128,
+bf16 inputs, fp32 state).
+
+Reports medians of triton.testing.do_bench, ours/fla, and the state bytes moved
+per second (the fp32 state read once and written once) against the
+device-to-device copy ceiling measured in the same process. Needs CUDA and fla.
+
+    python benchmarks/bench_decode.py [--impl ours] [--out benchmarks/RESULTS_decode.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.testing
+
+SHAPES = [(64, 32, 16), (256, 32, 16)]  # B, HV, H
+K = V = 128
+
+
+def copy_ceiling_bytes_per_s() -> float:
+    src = torch.empty(2 * 1024**3 // 4, device="cuda", dtype=torch.float32).uniform_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    return 2 * src.numel() * 4 / (ms * 1e-3)  # bytes read plus bytes written
+
+
+def make_inputs(B, HV, H, seed=0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt = torch.bfloat16
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    q = randn(B, 1, H, K).to(dt)
+    k = F.normalize(randn(B, 1, H, K), dim=-1).to(dt)
+    v = randn(B, 1, HV, V).to(dt)
+    g = F.logsigmoid(randn(B, 1, HV, K)).clamp_min(-5.0)
+    beta = torch.sigmoid(torch.rand(B, 1, HV, device="cuda", generator=gen)).to(dt)
+    h0 = randn(B, HV, K, V)
+    return q, k, v, g, beta, h0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", choices=["both", "ours"], default="both")
+    parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    args = parser.parse_args()
+
+    from kda_op import fused_recurrent_kda as ours
+
+    impls = {"ours": lambda q, k, v, g, beta, h0: ours(q, k, v, g, beta, initial_state=h0, output_final_state=True)}
+    fla_version = "not run"
+    if args.impl == "both":
+        import fla
+        from fla.ops.kda import fused_recurrent_kda as fla_fused
+
+        # fla may write the final state into initial_state's buffer: same bytes moved.
+        impls["fla"] = lambda q, k, v, g, beta, h0: fla_fused(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        fla_version = getattr(fla, "__version__", "?")
+
+    ceiling = copy_ceiling_bytes_per_s()
+    print(f"copy ceiling: {ceiling / 1e12:.2f} TB/s", flush=True)
+    rows = []
+    for B, HV, H in SHAPES:
+        inputs = make_inputs(B, HV, H)
+        state_bytes = 2 * B * HV * K * V * 4
+        res = {}
+        with torch.no_grad():
+            for label, fn in impls.items():
+                fn(*inputs)
+                res[label] = triton.testing.do_bench(lambda fn=fn: fn(*inputs), warmup=50, rep=300, return_mode="median")
+                print(f"B={B} HV={HV}: {label}: {res[label] * 1e3:.1f} us", flush=True)
+        ours_ms = res["ours"]
+        fla_ms = res.get("fla", float("nan"))
+        bw = state_bytes / (ours_ms * 1e-3)
+        rows.append((B, HV, H, ours_ms, fla_ms, bw, bw / ceiling))
+
+    lines = ["| B | HV | H | ours us | fla us | ours/fla | ours state TB/s | of copy ceiling |", "|" + "---|" * 8]
+    for B, HV, H, o, f, bw, frac in rows:
+        lines.append(f"| {B} | {HV} | {H} | {o * 1e3:.1f} | {f * 1e3:.1f} | {o / f:.2f} | {bw / 1e12:.2f} | {frac:.0%} |")
+    meta = (f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
+            f"triton {triton.__version__}, fla {fla_version}; copy ceiling {ceiling / 1e12:.2f} TB/s; T = 1, "
+            f"K = V = 128, bf16 inputs, fp32 state")
+    table = "\n".join(lines)
+    print(meta)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_decode.py --impl {args.impl} --out {args.out}`\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""Decode and short sequences: the recurrence token by token, state on chip.
+
+One program per (V block, batch * value head) holds S [BK, BV] in fp32 registers
+for the whole sequence: the state is read once and written once, so at T = 1 the
+kernel moves little more than the state's bytes. Per token:
+  S <- exp(g_t)[:, None] * S;  r = v_t - k_t^T S;  S <- S + (beta_t k_t) r^T;  o_t = (scale q_t)^T S.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_recurrent_fwd_kernel(
+    q, k, v, g, beta, h0,
+    o, ht,
+    scale, T,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr,
+    HAS_H0: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    bos = i_b * T  # per-sequence offset (cu_seqlens would give it for varlen)
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = (i_b * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+
+    if HAS_H0:
+        b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+
+    for t in range(T):
+        row_qk = ((bos + t) * H + i_h) * K + o_k
+        row_hv = (bos + t) * HV + i_hv
+        b_q = tl.load(q + row_qk, mask=m_k, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + row_qk, mask=m_k, other=0.0).to(tl.float32)
+        b_g = tl.load(g + row_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        b_beta = tl.load(beta + row_hv).to(tl.float32)
+        b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
+
+        b_s = b_s * tl.exp(b_g)[:, None]
+        b_r = b_v - tl.sum(b_k[:, None] * b_s, 0)
+        b_s += (b_beta * b_k)[:, None] * b_r[None, :]
+        b_o = tl.sum(b_q[:, None] * b_s, 0)
+        tl.store(o + row_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+
+    tl.store(ht + state_off, b_s, mask=m_kv)
