@@ -88,7 +88,7 @@ def main() -> int:
         lines.append(f"| {B} | {HV} | {H} | {o * 1e3:.1f} | {f * 1e3:.1f} | {o / f:.2f} | {bw / 1e12:.2f} | {frac:.0%} |")
     meta = (f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
             f"triton {triton.__version__}, fla {fla_version}; copy ceiling {ceiling / 1e12:.2f} TB/s; T = 1, "
-            f"K = V = 128, bf16 inputs, fp32 state")
+            f"K = V = {K}, bf16 inputs, fp32 state")
     table = "\n".join(lines)
     print(meta)
     print(table)
