@@ -1,0 +1,69 @@
+"""A small causal language model of KDA layers."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import Tensor, nn
+import torch.nn.functional as F
+
+from .layer import KDAState, KimiDeltaAttention
+
+
+class KDABlock(nn.Module):
+    """Pre-norm residual block: KDA, then a SwiGLU MLP."""
+
+    def __init__(self, hidden_size: int, num_heads: int, head_dim: int, num_v_heads: Optional[int], mlp_ratio: int):
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(hidden_size)
+        self.attn = KimiDeltaAttention(hidden_size, num_heads, head_dim, num_v_heads=num_v_heads)
+        self.mlp_norm = nn.RMSNorm(hidden_size)
+        inner = mlp_ratio * hidden_size
+        self.up = nn.Linear(hidden_size, 2 * inner, bias=False)
+        self.down = nn.Linear(inner, hidden_size, bias=False)
+
+    def forward(self, x: Tensor, state: Optional[KDAState] = None, decode: bool = False) -> tuple[Tensor, KDAState]:
+        h, state = self.attn(self.attn_norm(x), state, decode)
+        x = x + h
+        a, b = self.up(self.mlp_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(a) * b), state
+
+
+class KDALanguageModel(nn.Module):
+    """Embedding, ``num_layers`` KDA blocks, a final RMSNorm and a tied LM head.
+
+    ``forward(input_ids [B, T], states=None, decode=False)`` returns
+    ``(logits [B, T, vocab], states)``, one :data:`KDAState` per layer; pass the
+    states back to continue the sequence (prefill, then one token at a time with
+    ``decode=True``).
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int = 64,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        head_dim: int = 16,
+        num_v_heads: Optional[int] = None,
+        mlp_ratio: int = 2,
+    ):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, hidden_size)
+        self.blocks = nn.ModuleList(
+            KDABlock(hidden_size, num_heads, head_dim, num_v_heads, mlp_ratio) for _ in range(num_layers)
+        )
+        self.norm = nn.RMSNorm(hidden_size)
+        self.head = nn.Linear(hidden_size, vocab_size, bias=False)
+        self.head.weight = self.embed.weight
+        nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(
+        self, input_ids: Tensor, states: Optional[list[KDAState]] = None, decode: bool = False
+    ) -> tuple[Tensor, list[KDAState]]:
+        x = self.embed(input_ids)
+        new_states = []
+        for i, block in enumerate(self.blocks):
+            x, state = block(x, None if states is None else states[i], decode)
+            new_states.append(state)
+        return self.head(self.norm(x)), new_states
