@@ -77,6 +77,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--kernels", action="store_true", help="also print our forward+backward's kernels by GPU time")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192],
+                        help="sequence lengths to time each shape at (the standard shapes use 8192)")
+    parser.add_argument("--csv", default=None,
+                        help="also write every timing as CSV (what profiling/plot_benchmark.py plots)")
     parser.add_argument("--impl", choices=["both", "ours"], default="both",
                         help="'ours' skips fla (no ratios), e.g. to time our kernels without fla's autotuning")
     args = parser.parse_args()
@@ -92,7 +96,9 @@ def main() -> int:
         impls["fla"] = fla_chunk_kda
         fla_version = getattr(fla, "__version__", "?")
     rows = []
-    for name, B, T, H, HV in SHAPES:
+    csv_rows = []
+    cases = [(name.replace("T8192", f"T{T}"), B, T, H, HV) for name, B, _, H, HV in SHAPES for T in args.seq_lens]
+    for name, B, T, H, HV in cases:
         inputs, do = make_inputs(B, T, H, HV)
         q, k, v, g, beta, h0 = inputs
         res = {}
@@ -113,6 +119,7 @@ def main() -> int:
             outs[label] = (o, ht)
             res[label] = (bench(fwd), bench(fwd_bwd, grad_to_none=inputs))
             print(f"{name}: {label}: forward {res[label][0]:.3f} ms, forward+backward {res[label][1]:.3f} ms", flush=True)
+            csv_rows.append(f"{name},{B},{T},{H},{HV},{label},{res[label][0]:.6f},{res[label][1]:.6f}")
         nan = float("nan")
         fla_fwd, fla_fb = res.get("fla", (nan, nan))
         err_o = rel_err(outs["ours"][0], outs["fla"][0]) if "fla" in outs else nan
@@ -129,6 +136,11 @@ def main() -> int:
     table = "\n".join(lines)
     print(meta)
     print(table)
+    if args.csv:
+        with open(args.csv, "w") as f:
+            f.write(f"# {meta}\n# python benchmarks/bench_chunk_kda.py --impl {args.impl} "
+                    f"--seq-lens {' '.join(map(str, args.seq_lens))} --csv {args.csv}\n")
+            f.write("shape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n" + "\n".join(csv_rows) + "\n")
     if args.kernels:
         print_kernel_breakdown(ours_chunk_kda)
     if args.out:

@@ -18,3 +18,6 @@ cat "$OUT/bench.txt"
 for f in "$OUT"/tests_*.txt; do echo "== $f"; tail -n 25 "$f"; done
 timeout "${DECODE_LIMIT:-120}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" > "$OUT/bench_decode.txt" 2>&1
 cat "$OUT/bench_decode.txt"
+timeout "${SWEEP_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --seq-lens 1024 2048 4096 8192 16384 --csv "$OUT/results_seq_sweep.csv" > "$OUT/bench_sweep.txt" 2>&1
+python3 profiling/plot_benchmark.py "$OUT/results_seq_sweep.csv" --out "$OUT/benchmark.png"
+timeout 120 python3 profiling/profile_kda.py --target op --device cuda --dtype bfloat16 --seq-len 8192 --heads 16 --value-heads 16 --head-dim 128 --out-dir "$OUT/traces" > "$OUT/profile_op_cuda.txt" 2>&1

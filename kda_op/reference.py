@@ -19,6 +19,7 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from ._contract import CHUNK_SIZE, num_chunk_boundaries, state_dtype
 
@@ -68,14 +69,15 @@ def kda_forward_reference(
 
     o = q.new_empty((B, T, HV, V), dtype=acc)
     chunk_states = q.new_empty((B, num_chunk_boundaries(T, chunk_size), HV, K, V), dtype=acc)
-    for t in range(T):
-        if t % chunk_size == 0:
-            chunk_states[:, t // chunk_size] = S
-        S = decay[:, t, :, :, None] * S
-        residual = ve[:, t] - torch.einsum("bhk,bhkv->bhv", ke[:, t], S)
-        S = S + torch.einsum("bhk,bhv->bhkv", b[:, t, :, None] * ke[:, t], residual)
-        o[:, t] = torch.einsum("bhk,bhkv->bhv", qe[:, t], S)
-    chunk_states[:, -1] = S
+    with record_function("kda_op::fwd::recurrence"):
+        for t in range(T):
+            if t % chunk_size == 0:
+                chunk_states[:, t // chunk_size] = S
+            S = decay[:, t, :, :, None] * S
+            residual = ve[:, t] - torch.einsum("bhk,bhkv->bhv", ke[:, t], S)
+            S = S + torch.einsum("bhk,bhv->bhkv", b[:, t, :, None] * ke[:, t], residual)
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", qe[:, t], S)
+        chunk_states[:, -1] = S
     return o.to(v.dtype), S.contiguous(), chunk_states
 
 
@@ -126,37 +128,39 @@ def kda_backward_reference(
     for c in range(chunk_states.shape[1] - 2, -1, -1):
         t0, t1 = c * chunk_size, min(T, (c + 1) * chunk_size)
         # Recompute this chunk's decayed states and residuals from its saved state.
-        S = chunk_states[:, c].to(acc)
-        S_decs, residuals = [], []
-        for t in range(t0, t1):
-            S_dec = decay[:, t, :, :, None] * S
-            r = ve[:, t] - torch.einsum("bhk,bhkv->bhv", ke[:, t], S_dec)
-            S = S_dec + torch.einsum("bhk,bhv->bhkv", b[:, t, :, None] * ke[:, t], r)
-            S_decs.append(S_dec)
-            residuals.append(r)
+        with record_function("kda_op::bwd::recompute_chunk"):
+            S = chunk_states[:, c].to(acc)
+            S_decs, residuals = [], []
+            for t in range(t0, t1):
+                S_dec = decay[:, t, :, :, None] * S
+                r = ve[:, t] - torch.einsum("bhk,bhkv->bhv", ke[:, t], S_dec)
+                S = S_dec + torch.einsum("bhk,bhv->bhkv", b[:, t, :, None] * ke[:, t], r)
+                S_decs.append(S_dec)
+                residuals.append(r)
 
-        for i in range(t1 - t0 - 1, -1, -1):
-            t = t0 + i
-            S_dec, r = S_decs[i], residuals[i]
-            k_t, b_t = ke[:, t], b[:, t, :, None]
-            a_t = b_t * k_t
-            S_t = S_dec + torch.einsum("bhk,bhv->bhkv", a_t, r)
+        with record_function("kda_op::bwd::bptt_chunk"):
+            for i in range(t1 - t0 - 1, -1, -1):
+                t = t0 + i
+                S_dec, r = S_decs[i], residuals[i]
+                k_t, b_t = ke[:, t], b[:, t, :, None]
+                a_t = b_t * k_t
+                S_t = S_dec + torch.einsum("bhk,bhv->bhkv", a_t, r)
 
-            # Step 1: o_t = q_t^T S_t
-            dS = dS + torch.einsum("bhk,bhv->bhkv", qe[:, t], do[:, t])
-            dq_e[:, t] = torch.einsum("bhv,bhkv->bhk", do[:, t], S_t)
-            # Step 2: S_t = S_dec + a_t (outer) r_t
-            da = torch.einsum("bhv,bhkv->bhk", r, dS)
-            dr = torch.einsum("bhk,bhkv->bhv", a_t, dS)
-            # Step 3: a_t = beta_t k_t
-            dbeta[:, t] = torch.einsum("bhk,bhk->bh", k_t, da)
-            # Step 4: r_t = v_t - k_t^T S_dec
-            dv[:, t] = dr
-            dk_e[:, t] = b_t * da - torch.einsum("bhv,bhkv->bhk", dr, S_dec)
-            # Step 5: both paths into S_dec (directly and through r_t) are summed.
-            dS_dec = dS - torch.einsum("bhk,bhv->bhkv", k_t, dr)
-            dg[:, t] = torch.einsum("bhkv,bhkv->bhk", S_dec, dS_dec)
-            dS = decay[:, t, :, :, None] * dS_dec
+                # Step 1: o_t = q_t^T S_t
+                dS = dS + torch.einsum("bhk,bhv->bhkv", qe[:, t], do[:, t])
+                dq_e[:, t] = torch.einsum("bhv,bhkv->bhk", do[:, t], S_t)
+                # Step 2: S_t = S_dec + a_t (outer) r_t
+                da = torch.einsum("bhv,bhkv->bhk", r, dS)
+                dr = torch.einsum("bhk,bhkv->bhv", a_t, dS)
+                # Step 3: a_t = beta_t k_t
+                dbeta[:, t] = torch.einsum("bhk,bhk->bh", k_t, da)
+                # Step 4: r_t = v_t - k_t^T S_dec
+                dv[:, t] = dr
+                dk_e[:, t] = b_t * da - torch.einsum("bhv,bhkv->bhk", dr, S_dec)
+                # Step 5: both paths into S_dec (directly and through r_t) are summed.
+                dS_dec = dS - torch.einsum("bhk,bhv->bhkv", k_t, dr)
+                dg[:, t] = torch.einsum("bhkv,bhkv->bhk", S_dec, dS_dec)
+                dS = decay[:, t, :, :, None] * dS_dec
 
     # Step 6: GVA reduction back to the H query/key heads.
     dq = dq_e.view(B, T, H, group, K).sum(3) * scale

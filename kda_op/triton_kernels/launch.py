@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import triton
 from torch import Tensor
+from torch.profiler import record_function
 
 from .._contract import CHUNK_SIZE
 from .intra_bwd import kda_intra_bwd_kernel
@@ -88,21 +89,24 @@ def kda_fwd_triton(
         return o, ht, chunk_states
     prec = _dot_precision(q.dtype)
     if NC > 0:
-        gam, _, aqk, w, u, _ = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False)
+        with record_function("kda_op::fwd::intra"):
+            gam, _, aqk, w, u, _ = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False)
     else:  # T == 0: the scan only copies the initial state through
         gam = aqk = w = u = torch.empty(0, **f32)
     up = torch.empty(B, T, HV, V, **f32)
-    kda_state_fwd_kernel[(triton.cdiv(V, s["BV"]), B * HV)](
-        k, w, u, gam, h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-        HAS_H0=h0 is not None, DOT_PREC=prec, **_SCAN_LAUNCH,
-    )
-    if NC > 0:
-        kda_output_fwd_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
-            q, gam, aqk, up, chunk_states, o, scale, T, NC,
+    with record_function("kda_op::fwd::state_scan"):
+        kda_state_fwd_kernel[(triton.cdiv(V, s["BV"]), B * HV)](
+            k, w, u, gam, h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-            DOT_PREC=prec, num_warps=8,
+            HAS_H0=h0 is not None, DOT_PREC=prec, **_SCAN_LAUNCH,
         )
+    if NC > 0:
+        with record_function("kda_op::fwd::output"):
+            kda_output_fwd_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
+                q, gam, aqk, up, chunk_states, o, scale, T, NC,
+                H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
+                DOT_PREC=prec, num_warps=8,
+            )
     return o, ht, chunk_states
 
 
@@ -132,20 +136,22 @@ def kda_bwd_triton(
                 torch.zeros_like(beta), dh0.to(dh0_dtype))
 
     prec = _dot_precision(q.dtype)
-    gam, akk, aqk, w, u, tm = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
+    with record_function("kda_op::bwd::intra_recompute"):
+        gam, akk, aqk, w, u, tm = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
 
     up = torch.empty(B, T, HV, V, **f32)
     dup = torch.empty(B, T, HV, V, **f32)
     dchunk_states = torch.empty(B, NC, HV, K, V, **f32)
     dh0 = torch.empty(B, HV, K, V, **f32)
     dht_arg = dht.contiguous() if dht is not None else dh0
-    kda_state_bwd_kernel[(triton.cdiv(V, s["BV"]), B * HV)](
-        q, k, w, u, gam, aqk, chunk_states, do, dht_arg,
-        up, dup, dchunk_states, dh0,
-        scale, T, NC,
-        H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-        HAS_DHT=dht is not None, DOT_PREC=prec, **_SCAN_LAUNCH,
-    )
+    with record_function("kda_op::bwd::state_scan"):
+        kda_state_bwd_kernel[(triton.cdiv(V, s["BV"]), B * HV)](
+            q, k, w, u, gam, aqk, chunk_states, do, dht_arg,
+            up, dup, dchunk_states, dh0,
+            scale, T, NC,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
+            HAS_DHT=dht is not None, DOT_PREC=prec, **_SCAN_LAUNCH,
+        )
 
     dq_e = torch.empty(B, T, HV, K, **f32)
     dk_e = torch.empty(B, T, HV, K, **f32)
@@ -156,16 +162,18 @@ def kda_bwd_triton(
     dv = torch.empty_like(v)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
-    kda_intra_bwd_kernel[(NC, B * HV)](
-        q, k, v, beta, gam, akk, tm, up, dup, chunk_states, dchunk_states, do,
-        dq_e, dk_e, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
-        scale, T, NC,
-        H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKS=32, BKD=16, BV=s["BV"],
-        DOT_PREC=prec, num_warps=8,
-    )
-    # GVA: sum the G value heads of each key head; q entered the kernels scaled.
-    dq = (dq_e.view(B, T, H, G, K).sum(3) * scale).to(q.dtype)
-    dk = dk_e.view(B, T, H, G, K).sum(3).to(k.dtype)
+    with record_function("kda_op::bwd::intra"):
+        kda_intra_bwd_kernel[(NC, B * HV)](
+            q, k, v, beta, gam, akk, tm, up, dup, chunk_states, dchunk_states, do,
+            dq_e, dk_e, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
+            scale, T, NC,
+            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKS=32, BKD=16, BV=s["BV"],
+            DOT_PREC=prec, num_warps=8,
+        )
+    with record_function("kda_op::bwd::gva_reduce"):
+        # GVA: sum the G value heads of each key head; q entered the kernels scaled.
+        dq = (dq_e.view(B, T, H, G, K).sum(3) * scale).to(q.dtype)
+        dk = dk_e.view(B, T, H, G, K).sum(3).to(k.dtype)
     return dq, dk, dv, dg, dbeta, dh0.to(dh0_dtype)
 
 

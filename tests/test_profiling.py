@@ -1,0 +1,85 @@
+"""profiling/: traces made on CPU carry the op's stage ranges, load through the
+TensorBoard profiler plugin's own loader, and the benchmark plot is drawn."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "profiling"))
+
+import plot_benchmark  # noqa: E402
+import profile_kda  # noqa: E402
+
+STAGES_CPU = ("kda_op::fwd::recurrence", "kda_op::bwd::recompute_chunk", "kda_op::bwd::bptt_chunk")
+
+# The plugin loads traces in worker processes (spawn), so it runs in a script of its own.
+_LOAD_WITH_PLUGIN = textwrap.dedent(
+    """
+    import json, sys
+    from torch_tb_profiler import io as tbio
+    from torch_tb_profiler.profiler.loader import RunLoader
+
+    if __name__ == "__main__":
+        run = RunLoader("kda", sys.argv[1], tbio.Cache()).load()
+        ops = {}
+        for profile in run.get_profiles():
+            for row in profile.operation_table_by_name["data"]:
+                ops[row["name"]] = row["host_total_duration"]
+        print(json.dumps(ops))
+    """
+)
+
+
+def _events(trace: Path) -> list[dict]:
+    return json.loads(trace.read_text())["traceEvents"]
+
+
+def _plugin_ops(run_dir: Path, tmp_path: Path) -> dict:
+    script = tmp_path / "load_with_plugin.py"
+    script.write_text(_LOAD_WITH_PLUGIN)
+    done = subprocess.run([sys.executable, str(script), str(run_dir)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_op_trace_has_stage_ranges_and_loads_in_the_plugin(tmp_path):
+    pytest.importorskip("torch_tb_profiler")
+    prof, trace = profile_kda.run("op", "eager", "cpu", str(tmp_path), seq_len=70, head_dim=8)
+    events = _events(trace)
+    for stage in STAGES_CPU:
+        durations = [e["dur"] for e in events if e.get("name") == stage and e.get("ph") == "X"]
+        assert durations and all(d > 0 for d in durations), stage
+    ops = _plugin_ops(trace.parent, tmp_path)
+    assert ops.get("kda_op::chunk_kda_fwd", 0) > 0 and ops.get("kda_op::chunk_kda_bwd", 0) > 0, sorted(ops)[:20]
+    top = prof.key_averages()
+    assert any(e.key == "kda_op::chunk_kda_bwd" for e in top)
+
+
+def test_compiled_layer_trace_has_the_ops(tmp_path):
+    _, trace = profile_kda.run("layer", "compiled", "cpu", str(tmp_path), seq_len=40, head_dim=8)
+    names = {e.get("name") for e in _events(trace)}
+    assert {"kda_op::chunk_kda_fwd", "kda_op::chunk_kda_bwd", "kda_op::fwd::recurrence"} <= names
+
+
+def test_plot_from_a_results_csv(tmp_path):
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results.csv"
+    lines = ["# 2026-11-30, a header line as the benchmark writes it", "shape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms"]
+    for T, scale in ((2048, 1), (4096, 2), (8192, 4)):
+        for impl, f in (("ours", 1.0), ("fla", 1.2)):
+            lines.append(f"B1-T{T}-H16,1,{T},16,16,{impl},{0.1 * scale * f},{0.35 * scale * f}")
+    results.write_text("\n".join(lines) + "\n")
+    out = plot_benchmark.plot(str(results), str(tmp_path / "bench.png"))
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    with pytest.raises(ValueError, match="no timing rows"):
+        empty = tmp_path / "empty.csv"
+        empty.write_text("# nothing\nshape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n")
+        plot_benchmark.read_results(str(empty))
