@@ -105,18 +105,34 @@ def kda_intra_fwd_kernel(
         tl.store(aqk + row_off + col, b_aqk_d, mask=m_i[:, None])
     tl.debug_barrier()
 
-    # Tm = (I + diag(beta) A_kk)^-1 by forward substitution, a row at a time:
-    # Tm[i, :] = e_i - sum_{j < i} M[i, j] Tm[j, :].
+    # Tm = (I + M)^-1, M = diag(beta) A_kk strictly lower. With D the BC x BC
+    # diagonal blocks of M and N the rest, I + M = (I + D)(I + P), P = (I + D)^-1 N.
+    # The four (I + D) blocks are inverted together by forward substitution (BC - 1
+    # steps on [NB, BC, BC]); P is strictly block-lower, so P^NB = 0 and
+    # (I + P)^-1 = (I - P)(I + P^2) for NB = 4: three dots instead of BT - 1
+    # sequential row updates.
     o_r = tl.arange(0, BT)
     b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
     b_a = tl.load(akk + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
     b_m = b_beta[:, None] * b_a
-    b_tm = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-    for i in range(1, BT):
-        b_mi = tl.sum(tl.where(o_r[:, None] == i, b_m, 0.0), 0)
-        b_row = tl.where(o_r == i, 1.0, 0.0) - tl.sum(b_mi[:, None] * b_tm, 0)
-        b_tm = tl.where(o_r[:, None] == i, b_row[None, :], b_tm)
+    NB: tl.constexpr = BT // BC
+    tl.static_assert(BT // BC == 4, "(I + P)^-1 = (I - P)(I + P^2) needs exactly 4 sub-blocks")
+    o_b = tl.arange(0, NB)
+    same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
+    b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
+    b_x = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for i in range(1, BC):
+        row = (o_c == i)
+        b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
+        b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
+        b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
+    b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (BT, BT))
+    b_n = tl.where(o_r[:, None] // BC > o_r[None, :] // BC, b_m, 0.0)
+    b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    b_p = tl.dot(b_dinv, b_n, input_precision=DOT_PREC)
+    b_p2 = tl.dot(b_p, b_p, input_precision=DOT_PREC)
+    b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
     if STORE_TM:
         tl.store(tm + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :], b_tm, mask=m_t[:, None])
 
