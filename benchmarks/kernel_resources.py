@@ -1,0 +1,96 @@
+"""Compile the Triton kernels for the H200 (sm_90a) without a GPU and report
+what each needs: registers, spills, stack and shared memory.
+
+Costs no device time: Triton compiles for a named target here, and its bundled
+ptxas reports the resources. Shared memory above 227 KB (232448 bytes) does not
+launch on the H200; spills mean local-memory traffic.
+
+    python benchmarks/kernel_resources.py [--dtype bf16|fp32] [--head-dim 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kda_op.triton_kernels import intra_bwd, intra_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
+from kda_op.triton_kernels.launch import BC, BT, _sizes
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+
+
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    start = time.time()
+    kernel = triton.compile(ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                                      constexprs=constexprs),
+                            target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    seconds = time.time() - start
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(kernel.asm["ptx"])
+    report = subprocess.run([PTXAS, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                            capture_output=True, text=True).stderr
+    os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", report)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
+    return (f"{fn.__name__:28s} warps {num_warps} stages {num_stages}: regs {regs.group(1) if regs else '?':>3s}, "
+            f"spill st/ld {spill.group(1) if spill else '?'}/{spill.group(2) if spill else '?'} B, "
+            f"shared {kernel.metadata.shared} B, compile {seconds:.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--head-dim", type=int, default=128, help="K = V")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    K = V = args.head_dim
+    q = torch.empty(1, 1, 1, K, device="meta")
+    s = _sizes(q, torch.empty(1, 1, 1, V, device="meta"))
+    x = f"*{args.dtype}"
+    f32 = "*fp32"
+    prec = "tf32x3" if args.dtype == "fp32" else "tf32"
+    ints = dict(T="i32", NC="i32", H="i32", HV="i32")
+    common = dict(K=K, V=V, BT=BT)
+    runs = [
+        (intra_fwd.kda_intra_fwd_kernel,
+         dict(q=x, k=x, v=x, g=f32, beta=x, gam=f32, akk=f32, aqk=f32, w=f32, u=f32, tm=f32, scale="fp32", **ints),
+         dict(common, BC=BC, BK=s["BK"], BKS=s["BKS"], BV=s["BV"], STORE_TM=True, DOT_PREC=prec), 8, 3),
+        (state_fwd.kda_state_fwd_kernel,
+         dict(k=x, w=f32, u=f32, gam=f32, h0=f32, up=f32, chunk_states=f32, ht=f32, **ints),
+         dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_H0=True, DOT_PREC=prec), 8, s["SCAN_STAGES"]),
+        (output_fwd.kda_output_fwd_kernel,
+         dict(q=x, gam=f32, aqk=f32, up=f32, chunk_states=f32, o=x, scale="fp32", **ints),
+         dict(common, BK=s["BK"], BV=s["BV"], DOT_PREC=prec), 8, 3),
+        (state_bwd.kda_state_bwd_kernel,
+         dict(q=x, k=x, w=f32, u=f32, gam=f32, aqk=f32, chunk_states=f32, do=x, dht=f32, up=f32, dup=f32,
+              dchunk_states=f32, dh0=f32, scale="fp32", **ints),
+         dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), 8, s["SCAN_STAGES"]),
+        (intra_bwd.kda_intra_bwd_kernel,
+         dict(q=x, k=x, v=x, beta=x, gam=f32, akk=f32, tm=f32, up=f32, dup=f32, chunk_states=f32,
+              dchunk_states=f32, do=x, dq=f32, dk=f32, dv=x, dg=f32, dbeta=x, dgam=f32, dgam_last=f32,
+              dakk=f32, daqk=f32, scale="fp32", **ints),
+         dict(common, BC=BC, BKS=32, BKD=16, BV=s["BV"], DOT_PREC=prec), 8, 3),
+        (recurrent_fwd.kda_recurrent_fwd_kernel,
+         dict(q=x, k=x, v=x, g=f32, beta=x, h0=f32, o=x, ht=f32, scale="fp32", T="i32", H="i32", HV="i32"),
+         dict(K=K, V=V, BK=s["BK"], BV=32, HAS_H0=True), 4, 3),
+    ]
+    print(f"{args.dtype} inputs, K = V = {K}, sm_90a")
+    for fn, sig, const, warps, stages in runs:
+        print(resources(fn, sig, const, warps, stages), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
