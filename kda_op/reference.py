@@ -29,8 +29,17 @@ def _expand_heads(x: Tensor, group: int, dtype: torch.dtype) -> Tensor:
     return x.to(dtype).repeat_interleave(group, dim=2)
 
 
-def _resolve_scale(scale: Optional[float], head_dim: int) -> float:
-    return head_dim**-0.5 if scale is None else float(scale)
+def _prepare(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float]):
+    """What both passes start from: the state dtype, the resolved scale, and the
+    inputs in that dtype with q/k expanded to the HV value heads (q scaled) and
+    g turned into the decay factors exp(g)."""
+    K = q.shape[3]
+    group = v.shape[2] // q.shape[2]
+    acc = state_dtype(q.dtype)
+    scale = K**-0.5 if scale is None else float(scale)
+    qe = _expand_heads(q, group, acc) * scale
+    ke = _expand_heads(k, group, acc)
+    return acc, scale, qe, ke, v.to(acc), g.to(acc).exp(), beta.to(acc)
 
 
 def kda_forward_reference(
@@ -52,15 +61,7 @@ def kda_forward_reference(
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    group = HV // H
-    acc = state_dtype(q.dtype)
-    scale = _resolve_scale(scale, K)
-
-    qe = _expand_heads(q, group, acc) * scale
-    ke = _expand_heads(k, group, acc)
-    ve = v.to(acc)
-    decay = g.to(acc).exp()
-    b = beta.to(acc)
+    acc, scale, qe, ke, ve, decay, b = _prepare(q, k, v, g, beta, scale)
 
     if initial_state is None:
         S = q.new_zeros((B, HV, K, V), dtype=acc)
@@ -103,14 +104,7 @@ def kda_backward_reference(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     group = HV // H
-    acc = state_dtype(q.dtype)
-    scale = _resolve_scale(scale, K)
-
-    qe = _expand_heads(q, group, acc) * scale
-    ke = _expand_heads(k, group, acc)
-    ve = v.to(acc)
-    decay = g.to(acc).exp()
-    b = beta.to(acc)
+    acc, scale, qe, ke, ve, decay, b = _prepare(q, k, v, g, beta, scale)
     do = do.to(acc)
 
     dq_e = q.new_empty((B, T, HV, K), dtype=acc)
