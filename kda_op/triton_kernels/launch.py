@@ -52,7 +52,7 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         # The scans are sequential over chunks: narrower V blocks give more
         # programs (B * HV * V / 32) and shorter steps.
-        BV_SCAN=min(32, max(32, triton.next_power_of_2(V))),
+        BV_SCAN=32,
         SCAN_STAGES=2 if BK <= 128 else 1,
     )
 
