@@ -83,3 +83,18 @@ def test_plot_from_a_results_csv(tmp_path):
         empty = tmp_path / "empty.csv"
         empty.write_text("# nothing\nshape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n")
         plot_benchmark.read_results(str(empty))
+
+
+@pytest.mark.gpu
+def test_cuda_trace_has_kernel_stages(tmp_path):
+    import torch
+
+    _, trace = profile_kda.run("op", "eager", "cuda", str(tmp_path), seq_len=300, head_dim=64,
+                               dtype=torch.bfloat16)
+    events = _events(trace)
+    names = {e.get("name") for e in events}
+    for stage in ("kda_op::fwd::intra", "kda_op::fwd::state_scan", "kda_op::fwd::output",
+                  "kda_op::bwd::intra_recompute", "kda_op::bwd::state_scan", "kda_op::bwd::intra"):
+        assert stage in names, stage
+    kernels = {e.get("name") for e in events if e.get("cat") == "kernel"}
+    assert any("kda_intra_fwd_kernel" in k for k in kernels), sorted(kernels)[:20]
