@@ -3,7 +3,12 @@
 # benchmarks, the GPU tests (three pytest processes side by side, so Triton
 # compiles in parallel), the sequence sweep with its plot and a profile.
 # Everything textual goes to $OUT/log.txt; results files beside it (the device
-# tool returns at most 8 files).
+# tool returns at most 8 files). The wheels, fetched beforehand where pip works:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform any -d .whl flash-linear-attention==0.6.0 \
+#     fla-core==0.6.0 einops pytest==9.0.3 pluggy iniconfig packaging pygments
+# Knobs: BENCH_LIMIT, DECODE_LIMIT, TEST_LIMIT (seconds), SWEEP=1 for the
+# sequence sweep, its plot and a CUDA profile.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || exit 1
