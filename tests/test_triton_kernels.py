@@ -80,3 +80,11 @@ def test_triton_explicit_scale_and_empty_sequence():
     o, ht, cs = kda_fwd_triton(*args, None, empty["initial_state"])
     assert o.shape == (2, 0, 2, 16) and cs.shape == (2, 1, 2, 16, 16)
     torch.testing.assert_close(ht, empty["initial_state"], rtol=0, atol=0)
+
+
+def test_too_long_a_sequence_is_refused_not_wrapped():
+    from kda_op.triton_kernels.launch import _check_offsets
+
+    _check_offsets(65536, 32, 128, 128)  # 2^28: served
+    with pytest.raises(ValueError, match="2\\^31"):
+        _check_offsets(2**20, 32, 128, 128)  # 2^32: 32-bit offsets would wrap

@@ -32,12 +32,33 @@ def kda_intra_bwd_kernel(
     DOT_PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     bos = i_b * T
     bos_pad = i_b * NC * BT
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    v += (bos * HV + i_hv) * V
+    up += (bos * HV + i_hv) * V
+    dup += (bos * HV + i_hv) * V
+    do += (bos * HV + i_hv) * V
+    dv += (bos * HV + i_hv) * V
+    beta += bos * HV + i_hv
+    dbeta += bos * HV + i_hv
+    gam += (bos_pad * HV + i_hv) * K
+    akk += (bos * HV + i_hv) * BT
+    tm += (bos * HV + i_hv) * BT
+    dakk += (bos * HV + i_hv) * BT
+    daqk += (bos * HV + i_hv) * BT
+    dq += (bos * HV + i_hv) * K
+    dk += (bos * HV + i_hv) * K
+    dg += (bos * HV + i_hv) * K
+    dgam += (bos * HV + i_hv) * K
+    dgam_last += ((i_b * NC + i_c) * HV + i_hv) * K
     t0 = i_c * BT
 
     o_r = tl.arange(0, BT)
@@ -45,9 +66,9 @@ def kda_intra_bwd_kernel(
     m_t = o_t < T
     s0_base = chunk_states + ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V
     dsc_base = dchunk_states + ((i_b * NC + i_c) * HV + i_hv) * K * V
-    row_c = ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :]
+    row_c = (o_t[:, None]) * (HV * BT) + o_r[None, :]
 
-    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     b_tm = tl.load(tm + row_c, mask=m_t[:, None], other=0.0)
 
     # ---- over V: dA_qk, dv, dbeta and dTm from U = Tm diag(beta) V
@@ -57,7 +78,7 @@ def kda_intra_bwd_kernel(
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
-        row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
         b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
         b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
@@ -82,7 +103,7 @@ def kda_intra_bwd_kernel(
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
             m_tv = m_t[:, None] & m_v[None, :]
-            row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+            row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
             b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
             b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
             b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
@@ -95,10 +116,10 @@ def kda_intra_bwd_kernel(
             b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
             b_dglast += tl.sum(b_s0 * b_dsc, 1)
 
-        b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + ((bos + o_t[:, None]) * H + i_h) * K + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-        b_gam = tl.load(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
-        b_glast = tl.load(gam + ((bos_pad + t0 + BT - 1) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
+        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+        b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        b_glast = tl.load(gam + (t0 + BT - 1) * (HV * K) + o_s, mask=m_s, other=0.0)
         b_eg = tl.exp(b_gam)
         b_kg = b_k * b_eg
         b_rf = tl.exp(b_glast[None, :] - b_gam)
@@ -119,18 +140,18 @@ def kda_intra_bwd_kernel(
         b_dk += b_dkg * b_eg
         b_dgam += b_dkg * b_kg
 
-        row_s = ((bos + o_t[:, None]) * HV + i_hv) * K + o_s[None, :]
+        row_s = (o_t[:, None]) * (HV * K) + o_s[None, :]
         tl.store(dq + row_s, b_dq, mask=m_ts)
         tl.store(dk + row_s, b_dk, mask=m_ts)
         tl.store(dgam + row_s, b_dgam, mask=m_ts)
-        tl.store(dgam_last + ((i_b * NC + i_c) * HV + i_hv) * K + o_s, b_dglast, mask=m_s)
+        tl.store(dgam_last + o_s, b_dglast, mask=m_s)
 
     # ---- Tm = (I + M)^-1  =>  dM = -Tm^T dTm Tm^T; M = diag(beta) A_kk
     b_dm = -tl.dot(tl.dot(tl.trans(b_tm), b_dtm, input_precision=DOT_PREC), tl.trans(b_tm), input_precision=DOT_PREC)
     b_dm = tl.where(m_t[:, None] & (o_r[:, None] > o_r[None, :]), b_dm, 0.0)
     b_akk = tl.load(akk + row_c, mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
     b_dbeta += tl.sum(b_dm * b_akk, 1)
-    tl.store(dbeta + (bos + o_t) * HV + i_hv, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(dbeta + o_t * HV, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
     tl.store(dakk + row_c, b_beta[:, None] * b_dm, mask=m_t[:, None])
     tl.store(daqk + row_c, b_daqk, mask=m_t[:, None])
     tl.debug_barrier()
@@ -141,28 +162,28 @@ def kda_intra_bwd_kernel(
     for i_s in range(tl.cdiv(K, BKD)):
         o_s = i_s * BKD + tl.arange(0, BKD)
         m_s = o_s < K
-        b_carry = tl.load(dgam_last + ((i_b * NC + i_c) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
+        b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
         for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
             o_i = t0 + i_i * BC + o_c
             m_i = o_i < T
             m_is = m_i[:, None] & m_s[None, :]
-            row_is = ((bos + o_i[:, None]) * HV + i_hv) * K + o_s[None, :]
-            b_qi = tl.load(q + ((bos + o_i[:, None]) * H + i_h) * K + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
-            b_ki = tl.load(k + ((bos + o_i[:, None]) * H + i_h) * K + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-            b_gi = tl.load(gam + ((bos_pad + o_i[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
-            b_gr = tl.load(gam + ((bos_pad + t0 + i_i * BC) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
+            row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
+            b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+            b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+            b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+            b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
             b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
             b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
             b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
-            da_row = ((bos + o_i[:, None]) * HV + i_hv) * BT
+            da_row = (o_i[:, None]) * (HV * BT)
 
             # block i_i as the row block of (i_i, j), j < i_i; reference: first row of i_i
             b_ai = tl.exp(b_gi - b_gr[None, :])
             for i_j in tl.static_range(i_i):
                 o_j = t0 + i_j * BC + o_c
-                b_kj = tl.load(k + ((bos + o_j[:, None]) * H + i_h) * K + o_s[None, :],
+                b_kj = tl.load(k + (o_j[:, None]) * (H * K) + o_s[None, :],
                                mask=(o_j < T)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
-                b_gj = tl.load(gam + ((bos_pad + o_j[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
+                b_gj = tl.load(gam + (o_j[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
                 b_kjb = b_kj * tl.exp(b_gr[None, :] - b_gj)
                 col = i_j * BC + o_c[None, :]
                 b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
@@ -178,13 +199,13 @@ def kda_intra_bwd_kernel(
                 o_l = t0 + i_l * BC + o_c
                 m_l = o_l < T
                 m_ls = m_l[:, None] & m_s[None, :]
-                b_ql = tl.load(q + ((bos + o_l[:, None]) * H + i_h) * K + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32) * scale
-                b_kl = tl.load(k + ((bos + o_l[:, None]) * H + i_h) * K + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32)
-                b_gl = tl.load(gam + ((bos_pad + o_l[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
-                b_grl = tl.load(gam + ((bos_pad + t0 + i_l * BC) * HV + i_hv) * K + o_s, mask=m_s, other=0.0)
+                b_ql = tl.load(q + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32) * scale
+                b_kl = tl.load(k + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32)
+                b_gl = tl.load(gam + (o_l[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                b_grl = tl.load(gam + (t0 + i_l * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
                 b_al = tl.exp(b_gl - b_grl[None, :])
                 b_bi = tl.exp(b_grl[None, :] - b_gi)
-                da_l = ((bos + o_l[:, None]) * HV + i_hv) * BT + i_i * BC + o_c[None, :]
+                da_l = (o_l[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
                 b_dqk = tl.load(daqk + da_l, mask=m_l[:, None], other=0.0)
                 b_dkk = tl.load(dakk + da_l, mask=m_l[:, None], other=0.0)
                 b_tk = tl.dot(tl.trans(b_dqk), b_ql * b_al, input_precision=DOT_PREC)

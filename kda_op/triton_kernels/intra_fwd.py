@@ -32,7 +32,7 @@ def kda_intra_fwd_kernel(
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
@@ -41,6 +41,19 @@ def kda_intra_fwd_kernel(
     # padded row count of the gam buffer.
     bos = i_b * T
     bos_pad = i_b * NC * BT
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    v += (bos * HV + i_hv) * V
+    u += (bos * HV + i_hv) * V
+    g += (bos * HV + i_hv) * K
+    w += (bos * HV + i_hv) * K
+    beta += bos * HV + i_hv
+    gam += (bos_pad * HV + i_hv) * K
+    akk += (bos * HV + i_hv) * BT
+    aqk += (bos * HV + i_hv) * BT
+    tm += (bos * HV + i_hv) * BT
     t0 = i_c * BT
 
     o_t = t0 + tl.arange(0, BT)
@@ -49,32 +62,32 @@ def kda_intra_fwd_kernel(
     m_k = o_k < K
 
     # gam = cumsum(g) in fp32; padded rows load g = 0, so they repeat the last gam.
-    b_g = tl.load(g + ((bos + o_t[:, None]) * HV + i_hv) * K + o_k[None, :],
+    b_g = tl.load(g + (o_t[:, None]) * (HV * K) + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_gam = tl.cumsum(b_g, axis=0)
-    tl.store(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_gam, mask=m_k[None, :])
+    tl.store(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], b_gam, mask=m_k[None, :])
     tl.debug_barrier()
 
     o_c = tl.arange(0, BC)
     for i_i in tl.static_range(BT // BC):
         o_i = t0 + i_i * BC + o_c
         m_i = o_i < T
-        p_qi = q + ((bos + o_i[:, None]) * H + i_h) * K + o_k[None, :]
-        p_ki = k + ((bos + o_i[:, None]) * H + i_h) * K + o_k[None, :]
+        p_qi = q + (o_i[:, None]) * (H * K) + o_k[None, :]
+        p_ki = k + (o_i[:, None]) * (H * K) + o_k[None, :]
         b_qi = tl.load(p_qi, mask=m_i[:, None] & m_k[None, :], other=0.0).to(tl.float32) * scale
         b_ki = tl.load(p_ki, mask=m_i[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        b_gi = tl.load(gam + ((bos_pad + o_i[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_gr = tl.load(gam + ((bos_pad + t0 + i_i * BC) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_ei = tl.exp(b_gi - b_gr[None, :])
         b_kia = b_ki * b_ei
         b_qia = b_qi * b_ei
-        row_off = ((bos + o_i[:, None]) * HV + i_hv) * BT
+        row_off = (o_i[:, None]) * (HV * BT)
         for i_j in tl.static_range(i_i):
             o_j = t0 + i_j * BC + o_c
             m_j = o_j < T
-            b_kj = tl.load(k + ((bos + o_j[:, None]) * H + i_h) * K + o_k[None, :],
+            b_kj = tl.load(k + (o_j[:, None]) * (H * K) + o_k[None, :],
                            mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_gj = tl.load(gam + ((bos_pad + o_j[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_gj = tl.load(gam + (o_j[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
             b_kjb = tl.trans(b_kj * tl.exp(b_gr[None, :] - b_gj))
             b_akk = tl.dot(b_kia, b_kjb, input_precision=DOT_PREC)
             b_aqk = tl.dot(b_qia, b_kjb, input_precision=DOT_PREC)
@@ -89,11 +102,11 @@ def kda_intra_fwd_kernel(
         for i_s in range(BK // BKS):  # a runtime loop: unrolled, it multiplies compile time
             o_s = i_s * BKS + tl.arange(0, BKS)
             m_s = o_s < K
-            b_qs = tl.load(q + ((bos + o_i[:, None]) * H + i_h) * K + o_s[None, :],
+            b_qs = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :],
                            mask=m_i[:, None] & m_s[None, :], other=0.0).to(tl.float32) * scale
-            b_ks = tl.load(k + ((bos + o_i[:, None]) * H + i_h) * K + o_s[None, :],
+            b_ks = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :],
                            mask=m_i[:, None] & m_s[None, :], other=0.0).to(tl.float32)
-            b_gs = tl.load(gam + ((bos_pad + o_i[:, None]) * HV + i_hv) * K + o_s[None, :], mask=m_s[None, :], other=0.0)
+            b_gs = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
             b_e = tl.exp(tl.where(causal, b_gs[:, None, :] - b_gs[None, :, :], float("-inf")))
             b_kje = b_ks[None, :, :] * b_e
             b_akk_d += tl.sum(b_ks[:, None, :] * b_kje, 2)
@@ -112,8 +125,8 @@ def kda_intra_fwd_kernel(
     # (I + P)^-1 = (I - P)(I + P^2) for NB = 4: three dots instead of BT - 1
     # sequential row updates.
     o_r = tl.arange(0, BT)
-    b_beta = tl.load(beta + (bos + o_t) * HV + i_hv, mask=m_t, other=0.0).to(tl.float32)
-    b_a = tl.load(akk + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :],
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+    b_a = tl.load(akk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
     b_m = b_beta[:, None] * b_a
     NB: tl.constexpr = BT // BC
@@ -134,18 +147,18 @@ def kda_intra_fwd_kernel(
     b_p2 = tl.dot(b_p, b_p, input_precision=DOT_PREC)
     b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
     if STORE_TM:
-        tl.store(tm + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :], b_tm, mask=m_t[:, None])
+        tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], b_tm, mask=m_t[:, None])
 
-    b_k = tl.load(k + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     # gam is reloaded rather than kept live through the inverse (register pressure).
-    b_gam = tl.load(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
     b_w = tl.dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), input_precision=DOT_PREC)
-    tl.store(w + ((bos + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], b_w, mask=m_t[:, None] & m_k[None, :])
+    tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], b_w, mask=m_t[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
-        p_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        p_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_u = tl.dot(b_tm, b_beta[:, None] * b_v, input_precision=DOT_PREC)
         tl.store(u + p_v, b_u, mask=m_t[:, None] & m_v[None, :])

@@ -37,9 +37,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def _check_offsets(T: int, HV: int, K: int, V: int) -> None:
+    """The kernels index inside one sequence with 32-bit offsets (up to
+    T_padded * HV * max(K, V, BT)); across sequences and chunk states with 64-bit
+    ones. Refuse, rather than wrap around, past that."""
+    extent = triton.cdiv(T, BT) * BT * HV * max(K, V, BT)
+    if extent >= 2**31:
+        raise ValueError(
+            f"one sequence is too long for the CUDA kernels: T * HV * max(K, V, {BT}) = {extent} "
+            f"reaches 2^31 (T={T}, HV={HV}, K={K}, V={V}); split the sequence, carrying the state"
+        )
+
+
 def _sizes(q: Tensor, v: Tensor) -> dict:
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    _check_offsets(T, HV, K, V)
     # Blocks of at least 32: a wrong dk was seen on the H200 with K = 32, V = 16
     # (BV = 16) that the interpreter computed right; cause not established.
     BK = max(32, triton.next_power_of_2(K))
@@ -190,6 +203,7 @@ def kda_recurrent_fwd_triton(
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
+    _check_offsets(T, HV, K, V)
     scale = K**-0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.contiguous()
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)

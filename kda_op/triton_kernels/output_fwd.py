@@ -20,13 +20,21 @@ def kda_output_fwd_kernel(
     DOT_PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_bh = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     bos = i_b * T
     bos_pad = i_b * NC * BT
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    q += (bos * H + i_h) * K
+    gam += (bos_pad * HV + i_hv) * K
+    aqk += (bos * HV + i_hv) * BT
+    up += (bos * HV + i_hv) * V
+    o += (bos * HV + i_hv) * V
+    chunk_states += ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V
 
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T
@@ -36,14 +44,14 @@ def kda_output_fwd_kernel(
     m_v = o_v < V
     o_r = tl.arange(0, BT)
 
-    b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+    b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32) * scale
-    b_gam = tl.load(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-    b_s0 = tl.load(chunk_states + ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :],
+    b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_s0 = tl.load(chunk_states + o_k[:, None] * V + o_v[None, :],
                    mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_a = tl.load(aqk + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :],
+    b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
-    row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+    row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
     b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     b_o = tl.dot(b_q * tl.exp(b_gam), b_s0, input_precision=DOT_PREC)
     b_o += tl.dot(b_a, b_up, input_precision=DOT_PREC)

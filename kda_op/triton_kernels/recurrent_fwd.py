@@ -23,18 +23,28 @@ def kda_recurrent_fwd_kernel(
     HAS_H0: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     bos = i_b * T  # per-sequence offset (cu_seqlens would give it for varlen)
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    v += (bos * HV + i_hv) * V
+    o += (bos * HV + i_hv) * V
+    g += (bos * HV + i_hv) * K
+    beta += bos * HV + i_hv
+    h0 += (i_b * HV + i_hv) * K * V
+    ht += (i_b * HV + i_hv) * K * V
 
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
-    state_off = (i_b * HV + i_hv) * K * V + o_k[:, None] * V + o_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
 
     if HAS_H0:
         b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
@@ -42,8 +52,8 @@ def kda_recurrent_fwd_kernel(
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
     for t in range(T):
-        row_qk = ((bos + t) * H + i_h) * K + o_k
-        row_hv = (bos + t) * HV + i_hv
+        row_qk = t * (H * K) + o_k
+        row_hv = t * HV
         b_q = tl.load(q + row_qk, mask=m_k, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k + row_qk, mask=m_k, other=0.0).to(tl.float32)
         b_g = tl.load(g + row_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)

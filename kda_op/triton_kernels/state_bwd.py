@@ -26,12 +26,28 @@ def kda_state_bwd_kernel(
     HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     bos = i_b * T
     bos_pad = i_b * NC * BT
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    w += (bos * HV + i_hv) * K
+    u += (bos * HV + i_hv) * V
+    up += (bos * HV + i_hv) * V
+    dup += (bos * HV + i_hv) * V
+    do += (bos * HV + i_hv) * V
+    gam += (bos_pad * HV + i_hv) * K
+    aqk += (bos * HV + i_hv) * BT
+    dht += (i_b * HV + i_hv) * K * V
+    dh0 += (i_b * HV + i_hv) * K * V
+    chunk_states += (i_b * (NC + 1) * HV + i_hv) * K * V
+    dchunk_states += (i_b * NC * HV + i_hv) * K * V
+    cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk to the next
 
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -42,33 +58,33 @@ def kda_state_bwd_kernel(
     o_r = tl.arange(0, BT)
 
     if HAS_DHT:
-        b_ds = tl.load(dht + (i_b * HV + i_hv) * K * V + state_off, mask=m_kv, other=0.0).to(tl.float32)
+        b_ds = tl.load(dht + state_off, mask=m_kv, other=0.0).to(tl.float32)
     else:
         b_ds = tl.zeros([BK, BV], dtype=tl.float32)
 
     for i_rev in range(NC):
         i_c = NC - 1 - i_rev
-        tl.store(dchunk_states + ((i_b * NC + i_c) * HV + i_hv) * K * V + state_off, b_ds, mask=m_kv)
+        tl.store(dchunk_states + i_c * cs_stride + state_off, b_ds, mask=m_kv)
         o_t = i_c * BT + o_r
         m_t = o_t < T
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        row_k = ((bos + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-        row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
+        row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
 
-        b_s0 = tl.load(chunk_states + ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V + state_off, mask=m_kv, other=0.0)
+        b_s0 = tl.load(chunk_states + i_c * cs_stride + state_off, mask=m_kv, other=0.0)
         b_w = tl.load(w + row_k, mask=m_tk, other=0.0)
         b_u = tl.load(u + row_v, mask=m_tv, other=0.0)
         b_up = b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC)
         tl.store(up + row_v, b_up, mask=m_tv)
 
-        b_gam = tl.load(gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_glast = tl.load(gam + ((bos_pad + i_c * BT + BT - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(k + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_q = tl.load(q + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_kr = b_k * tl.exp(b_glast[None, :] - b_gam)
         b_qg = b_q * scale * tl.exp(b_gam)
-        b_a = tl.load(aqk + ((bos + o_t[:, None]) * HV + i_hv) * BT + o_r[None, :],
+        b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                       mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
 
@@ -80,4 +96,4 @@ def kda_state_bwd_kernel(
         b_ds += tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
         b_ds -= tl.dot(tl.trans(b_w), b_dup, input_precision=DOT_PREC)
 
-    tl.store(dh0 + (i_b * HV + i_hv) * K * V + state_off, b_ds, mask=m_kv)
+    tl.store(dh0 + state_off, b_ds, mask=m_kv)

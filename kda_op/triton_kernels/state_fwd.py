@@ -22,12 +22,23 @@ def kda_state_fwd_kernel(
     HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_bh = tl.program_id(1)
+    i_bh = tl.program_id(1).to(tl.int64)
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     bos = i_b * T
     bos_pad = i_b * NC * BT
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    k += (bos * H + i_h) * K
+    w += (bos * HV + i_hv) * K
+    u += (bos * HV + i_hv) * V
+    up += (bos * HV + i_hv) * V
+    gam += (bos_pad * HV + i_hv) * K
+    h0 += (i_b * HV + i_hv) * K * V
+    ht += (i_b * HV + i_hv) * K * V
+    chunk_states += (i_b * (NC + 1) * HV + i_hv) * K * V
+    cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk boundary to the next
 
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -37,29 +48,29 @@ def kda_state_fwd_kernel(
     state_off = o_k[:, None] * V + o_v[None, :]
 
     if HAS_H0:
-        b_s = tl.load(h0 + (i_b * HV + i_hv) * K * V + state_off, mask=m_kv, other=0.0).to(tl.float32)
+        b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
     o_r = tl.arange(0, BT)
     for i_c in range(NC):
-        tl.store(chunk_states + ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V + state_off, b_s, mask=m_kv)
+        tl.store(chunk_states + i_c * cs_stride + state_off, b_s, mask=m_kv)
         o_t = i_c * BT + o_r
         m_t = o_t < T
-        row_k = ((bos + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
-        row_v = ((bos + o_t[:, None]) * HV + i_hv) * V + o_v[None, :]
+        row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
+        row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_up = b_u - tl.dot(b_w, b_s, input_precision=DOT_PREC)
         tl.store(up + row_v, b_up, mask=m_t[:, None] & m_v[None, :])
 
-        b_k = tl.load(k + ((bos + o_t[:, None]) * H + i_h) * K + o_k[None, :],
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
                       mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        p_gam = gam + ((bos_pad + o_t[:, None]) * HV + i_hv) * K + o_k[None, :]
+        p_gam = gam + (o_t[:, None]) * (HV * K) + o_k[None, :]
         b_gam = tl.load(p_gam, mask=m_k[None, :], other=0.0)
-        b_glast = tl.load(gam + ((bos_pad + i_c * BT + BT - 1) * HV + i_hv) * K + o_k, mask=m_k, other=0.0)
+        b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_kr = b_k * tl.exp(b_glast[None, :] - b_gam)
         b_s = b_s * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kr), b_up, input_precision=DOT_PREC)
 
-    tl.store(chunk_states + ((i_b * (NC + 1) + NC) * HV + i_hv) * K * V + state_off, b_s, mask=m_kv)
-    tl.store(ht + (i_b * HV + i_hv) * K * V + state_off, b_s, mask=m_kv)
+    tl.store(chunk_states + NC * cs_stride + state_off, b_s, mask=m_kv)
+    tl.store(ht + state_off, b_s, mask=m_kv)
