@@ -8,6 +8,7 @@ backward  intra_fwd.py   recomputed, keeping Tm
           state_bwd.py   the reverse scan: dU', the grads of the chunk states, dh0
           intra_bwd.py   dq, dk, dv, dg, dbeta inside each chunk
 decode    recurrent_fwd.py  token by token, the state held on chip (fused_recurrent_kda)
+shared    _indexing.py   program index -> batch, heads, sequence start
 host      launch.py      allocation and launches (kda_fwd_triton, kda_bwd_triton,
                          kda_recurrent_fwd_triton)
 """

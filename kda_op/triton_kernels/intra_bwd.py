@@ -20,6 +20,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._indexing import sequence_and_heads
+
 
 @triton.jit
 def kda_intra_bwd_kernel(
@@ -33,11 +35,8 @@ def kda_intra_bwd_kernel(
 ):
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    bos = i_b * T
-    bos_pad = i_b * NC * BT
+    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
     q += (bos * H + i_h) * K
