@@ -15,6 +15,14 @@ from torch import Tensor
 from .._contract import num_chunk_boundaries, state_dtype
 
 
+def _output_and_final_state(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """o [B, T, HV, V] in v's dtype and the final state [B, HV, K, V] in the state
+    dtype: what both forward ops return first."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    return v.new_empty((B, T, HV, V)), q.new_empty((B, HV, K, V), dtype=state_dtype(q.dtype))
+
+
 @torch.library.register_fake("kda_op::chunk_kda_fwd")
 def chunk_kda_fwd_fake(
     q: Tensor,
@@ -25,12 +33,10 @@ def chunk_kda_fwd_fake(
     scale: Optional[float],
     initial_state: Optional[Tensor],
 ) -> tuple[Tensor, Tensor, Tensor]:
+    o, final_state = _output_and_final_state(q, v)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    acc = state_dtype(q.dtype)
-    o = v.new_empty((B, T, HV, V))
-    final_state = q.new_empty((B, HV, K, V), dtype=acc)
-    chunk_states = q.new_empty((B, num_chunk_boundaries(T), HV, K, V), dtype=acc)
+    chunk_states = q.new_empty((B, num_chunk_boundaries(T), HV, K, V), dtype=final_state.dtype)
     return o, final_state, chunk_states
 
 
@@ -71,8 +77,4 @@ def fused_recurrent_kda_fwd_fake(
     scale: Optional[float],
     initial_state: Optional[Tensor],
 ) -> tuple[Tensor, Tensor]:
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    o = v.new_empty((B, T, HV, V))
-    final_state = q.new_empty((B, HV, K, V), dtype=state_dtype(q.dtype))
-    return o, final_state
+    return _output_and_final_state(q, v)
