@@ -88,3 +88,39 @@ def test_too_long_a_sequence_is_refused_not_wrapped():
     _check_offsets(65536, 32, 128, 128)  # 2^28: served
     with pytest.raises(ValueError, match="2\\^31"):
         _check_offsets(2**20, 32, 128, 128)  # 2^32: 32-bit offsets would wrap
+
+
+def test_triton_every_path_of_the_intra_chunk_kernels():
+    """The intra-chunk kernels split exp(gam_i - gam_j) at a middle row only while
+    every factor stays within exp(MAX_SPLIT): over the whole chunk, else over each
+    sub-block of 16 rows, else they form each pair exactly. Three chunks, one per
+    path: ordinary gates (whole chunk), -3 per token and channel with two -20
+    spikes (32 rows: 96 > 60; 8 rows: 24 + 20 <= 60), and -9 (8 rows: 72 > 60)."""
+    from kda_op.triton_kernels.launch import MAX_SPLIT
+
+    B, T, H, G, K, V = 1, 3 * CHUNK_SIZE, 1, 2, 16, 16
+    C = CHUNK_SIZE
+    inputs = _inputs(B, T, H, G, K, V, True, seed=11)
+    g = inputs["g"].clone()
+    jitter = 0.5 * torch.rand(g[:, C:].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    g[:, C:] = jitter
+    g[:, C:2 * C] -= 3.0
+    g[:, C + 5] = -20.0
+    g[:, C + 40] = -20.0
+    g[:, 2 * C:] -= 9.0
+    assert 32 * 2.5 > MAX_SPLIT and 8 * 3 + 20 <= MAX_SPLIT and 8 * 8.5 > MAX_SPLIT
+    inputs["g"] = g
+    args = [inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+    o, ht, cs = kda_fwd_triton(*args, None, h0)
+    o_ref, ht_ref, cs_ref = kda_forward_reference(*args, None, h0)
+    _rel_close(o, o_ref, "o")
+    _rel_close(ht, ht_ref, "final_state")
+    gen = torch.Generator().manual_seed(8)
+    do = torch.randn(o.shape, generator=gen).to(DEVICE)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
+    grads = kda_bwd_triton(*args, None, h0, cs_ref, do, dht)
+    grads_ref = kda_backward_reference(*args, None, h0, cs_ref, do, dht)
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
+        assert torch.isfinite(got).all(), name
+        _rel_close(got, want, name)

@@ -6,7 +6,8 @@ forward   intra_fwd.py   gam = cumsum(g), A_kk, A_qk, Tm = (I + diag(beta) A_kk)
           output_fwd.py  O = (Q exp(gam)) S0 + A_qk U'
 backward  intra_fwd.py   recomputed, keeping Tm
           state_bwd.py   the reverse scan: dU', the grads of the chunk states, dh0
-          intra_bwd.py   dq, dk, dv, dg, dbeta inside each chunk
+          intra_bwd.py   dv, dbeta, dA_kk, dA_qk and partial dq, dk inside each chunk
+          intra_bwd_a.py back through A_kk, A_qk: dq, dk, dg (parallel over K slices)
 decode    recurrent_fwd.py  token by token, the state held on chip (fused_recurrent_kda)
 shared    _indexing.py   program index -> batch, heads, sequence start
 host      launch.py      allocation and launches (kda_fwd_triton, kda_bwd_triton,

@@ -1,18 +1,14 @@
-"""Stage 2 of the backward: everything inside one chunk, parallel over chunks.
+"""Stage 2 of the backward, first half: everything inside one chunk but the way
+back through A_kk and A_qk. Parallel over chunks.
 
 One program per (chunk, batch * value head). From the residuals U', their grads
 dU', the chunk's saved state S0 and the grad dS_C of its end state, it undoes
   U = Tm diag(beta) V,  W = Tm diag(beta) (K * exp(gam)),  Tm = (I + diag(beta) A_kk)^-1,
   O = (Q * exp(gam)) S0 + A_qk U',  S_C = exp(Gam) S0 + (K * exp(Gam - gam))^T U',
-writing dv, dbeta, dg and the per-value-head dq, dk (fp32; the host sums them
-over the G value heads of each key head).
-
-Pass 1 runs over slices of K (BKS wide) and stores partial dq, dk, d(gam) while it builds
-dTm; dM = -Tm^T dTm Tm^T then gives dA_kk, and pass 2 takes both dA's back
-through A_kk and A_qk with the same sub-blocks and reference rows as the forward
-(intra_fwd.py), adds the partials and turns d(gam) into dg with a reverse
-cumulative sum over the chunk (dGam goes to every row of it); its slices (BKD
-wide) are narrower, since the diagonal blocks hold [BC, BC, BKD] tensors.
+writing dv and dbeta, and per value head the partial dq, dk, d(gam) (fp32),
+d(Gam) of the chunk's last row, and dA_kk, dA_qk: it runs over slices of K (BKS
+wide) while it builds dTm, then dM = -Tm^T dTm Tm^T gives dA_kk.
+intra_bwd_a.py takes both dA's back through A_kk and A_qk and finishes dq, dk, dg.
 """
 
 from __future__ import annotations
@@ -26,11 +22,11 @@ from ._indexing import sequence_and_heads
 @triton.jit
 def kda_intra_bwd_kernel(
     q, k, v, beta, gam, akk, tm, up, dup, chunk_states, dchunk_states, do,
-    dq, dk, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
+    dq, dk, dv, dbeta, dgam, dgam_last, dakk, daqk,
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr, BKD: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
@@ -55,7 +51,6 @@ def kda_intra_bwd_kernel(
     daqk += (bos * HV + i_hv) * BT
     dq += (bos * HV + i_hv) * K
     dk += (bos * HV + i_hv) * K
-    dg += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
     dgam_last += ((i_b * NC + i_c) * HV + i_hv) * K
     t0 = i_c * BT
@@ -153,81 +148,3 @@ def kda_intra_bwd_kernel(
     tl.store(dbeta + o_t * HV, b_dbeta.to(dbeta.dtype.element_ty), mask=m_t)
     tl.store(dakk + row_c, b_beta[:, None] * b_dm, mask=m_t[:, None])
     tl.store(daqk + row_c, b_daqk, mask=m_t[:, None])
-    tl.debug_barrier()
-
-    # ---- pass 2 over K slices: through A_kk and A_qk, then dg
-    o_c = tl.arange(0, BC)
-    causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
-    for i_s in range(tl.cdiv(K, BKD)):
-        o_s = i_s * BKD + tl.arange(0, BKD)
-        m_s = o_s < K
-        b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
-        for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
-            o_i = t0 + i_i * BC + o_c
-            m_i = o_i < T
-            m_is = m_i[:, None] & m_s[None, :]
-            row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
-            b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
-            b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-            b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-            b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
-            b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
-            b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
-            b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
-            da_row = (o_i[:, None]) * (HV * BT)
-
-            # block i_i as the row block of (i_i, j), j < i_i; reference: first row of i_i
-            b_ai = tl.exp(b_gi - b_gr[None, :])
-            for i_j in tl.static_range(i_i):
-                o_j = t0 + i_j * BC + o_c
-                b_kj = tl.load(k + (o_j[:, None]) * (H * K) + o_s[None, :],
-                               mask=(o_j < T)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
-                b_gj = tl.load(gam + (o_j[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                b_kjb = b_kj * tl.exp(b_gr[None, :] - b_gj)
-                col = i_j * BC + o_c[None, :]
-                b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
-                b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
-                b_tq = b_ai * tl.dot(b_dqk, b_kjb, input_precision=DOT_PREC)
-                b_tk = b_ai * tl.dot(b_dkk, b_kjb, input_precision=DOT_PREC)
-                b_dqi += b_tq
-                b_dki += b_tk
-                b_dgi += b_qi * b_tq + b_ki * b_tk
-
-            # block i_i as the column block of (l, i_i), l > i_i; reference: first row of l
-            for i_l in tl.static_range(i_i + 1, BT // BC):
-                o_l = t0 + i_l * BC + o_c
-                m_l = o_l < T
-                m_ls = m_l[:, None] & m_s[None, :]
-                b_ql = tl.load(q + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32) * scale
-                b_kl = tl.load(k + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32)
-                b_gl = tl.load(gam + (o_l[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                b_grl = tl.load(gam + (t0 + i_l * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
-                b_al = tl.exp(b_gl - b_grl[None, :])
-                b_bi = tl.exp(b_grl[None, :] - b_gi)
-                da_l = (o_l[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
-                b_dqk = tl.load(daqk + da_l, mask=m_l[:, None], other=0.0)
-                b_dkk = tl.load(dakk + da_l, mask=m_l[:, None], other=0.0)
-                b_tk = tl.dot(tl.trans(b_dqk), b_ql * b_al, input_precision=DOT_PREC)
-                b_tk += tl.dot(tl.trans(b_dkk), b_kl * b_al, input_precision=DOT_PREC)
-                b_tk = b_bi * b_tk
-                b_dki += b_tk
-                b_dgi -= b_ki * b_tk
-
-            # diagonal block: exact exp(gam_i - gam_j)
-            col = i_i * BC + o_c[None, :]
-            b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
-            b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
-            b_e = tl.exp(tl.where(causal, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
-            b_tq = tl.sum(b_dqk[:, :, None] * b_ki[None, :, :] * b_e, 1)
-            b_tk = tl.sum(b_dkk[:, :, None] * b_ki[None, :, :] * b_e, 1)
-            b_tkj = tl.sum((b_dqk[:, :, None] * b_qi[:, None, :] + b_dkk[:, :, None] * b_ki[:, None, :]) * b_e, 0)
-            b_dqi += b_tq
-            b_dki += b_tk + b_tkj
-            b_dgi += b_qi * b_tq + b_ki * b_tk - b_ki * b_tkj
-
-            # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
-            b_dgt = tl.cumsum(b_dgi, 0, reverse=True) + b_carry[None, :]
-            b_carry += tl.sum(b_dgi, 0)
-            tl.store(dq + row_is, b_dqi, mask=m_is)
-            tl.store(dk + row_is, b_dki, mask=m_is)
-            tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)

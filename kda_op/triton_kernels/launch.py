@@ -17,6 +17,7 @@ from torch.profiler import record_function
 
 from .._contract import CHUNK_SIZE
 from .intra_bwd import kda_intra_bwd_kernel
+from .intra_bwd_a import kda_intra_bwd_a_kernel
 from .intra_fwd import kda_intra_fwd_kernel
 from .output_fwd import kda_output_fwd_kernel
 from .recurrent_fwd import kda_recurrent_fwd_kernel
@@ -25,6 +26,17 @@ from .state_fwd import kda_state_fwd_kernel
 
 BT = CHUNK_SIZE  # chunk length of the kernels = the chunk length of the saved states
 BC = 16  # sub-block length inside a chunk (see intra_fwd.py on numerics)
+# A diagonal sub-block takes the two-dot path when exp(+-(gam_i - gam_mid)) stays
+# within exp(60) (fp32 overflows past exp(88)); steeper gates take the exact path.
+MAX_SPLIT = 60.0
+# Warps per program of the intra-chunk kernels (module-level so that
+# benchmarks/bench_kernels.py can time other settings).
+INTRA_FWD_WARPS = 8
+INTRA_BWD_WARPS = 8
+INTRA_BWD_A_WARPS = 4
+# K slice of the backward through the A's: one program each (more programs in
+# flight); its exact diagonal path holds [BC, BC, BKD] tensors.
+BKD = 16
 # The scans run 8 warps to spread the [BK, BV_SCAN] fp32 state, and prefetch the
 # next chunk (two stages) while that fits the H200's 227 KB of shared memory:
 # BK <= 128 (measured by compiling: 148-222 KB at BK = 128, 280-337 KB at 256).
@@ -60,8 +72,6 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         B=B, T=T, H=H, K=K, HV=HV, V=V,
         NC=triton.cdiv(T, BT),
         BK=BK,
-        # K slice of the [BC, BC, BKS] tensors of the diagonal sub-blocks
-        BKS=16,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         # The scans are sequential over chunks: narrower V blocks give more
         # programs (B * HV * V / 32) and shorter steps.
@@ -81,8 +91,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
     tm = torch.empty(B, T, HV, BT, **f32) if store_tm else akk  # akk: an unused placeholder
     kda_intra_fwd_kernel[(NC, B * HV)](
         q, k, v, g, beta, gam, akk, aqk, w, u, tm, scale, T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BKS=s["BKS"], BV=s["BV"],
-        STORE_TM=store_tm, DOT_PREC=_dot_precision(q.dtype), num_warps=8,
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=s["BV"],
+        STORE_TM=store_tm, DOT_PREC=_dot_precision(q.dtype), MAX_SPLIT=MAX_SPLIT, num_warps=INTRA_FWD_WARPS,
     )
     return gam, akk, aqk, w, u, (tm if store_tm else None)
 
@@ -182,10 +192,17 @@ def kda_bwd_triton(
     with record_function("kda_op::bwd::intra"):
         kda_intra_bwd_kernel[(NC, B * HV)](
             q, k, v, beta, gam, akk, tm, up, dup, chunk_states, dchunk_states, do,
-            dq_e, dk_e, dv, dg, dbeta, dgam, dgam_last, dakk, daqk,
+            dq_e, dk_e, dv, dbeta, dgam, dgam_last, dakk, daqk,
             scale, T, NC,
-            H=H, HV=HV, K=K, V=V, BT=BT, BC=BC, BKS=32, BKD=16, BV=s["BV"],
-            DOT_PREC=prec, num_warps=8,
+            H=H, HV=HV, K=K, V=V, BT=BT, BKS=32, BV=s["BV"],
+            DOT_PREC=prec, num_warps=INTRA_BWD_WARPS,
+        )
+    with record_function("kda_op::bwd::intra_through_a"):
+        kda_intra_bwd_a_kernel[(NC, B * HV, triton.cdiv(K, BKD))](
+            q, k, gam, dakk, daqk, dgam_last, dq_e, dk_e, dgam, dg,
+            scale, T, NC,
+            H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=BKD,
+            DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, num_warps=INTRA_BWD_A_WARPS,
         )
     with record_function("kda_op::bwd::gva_reduce"):
         # GVA: sum the G value heads of each key head; q entered the kernels scaled.
