@@ -2,7 +2,7 @@
 under several launch settings of the intra-chunk kernels, on the first standard
 shape (B1-T8192-H16, bf16, K = V = 128). Needs a CUDA GPU; no fla.
 
-    python benchmarks/bench_kernels.py [--warps 8,8 4,4]   # intra fwd,bwd warps
+    python benchmarks/bench_kernels.py [--warps 8,8,8,4 4,4,8,4]
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ def kernel_times(step, reps: int = 5) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--warps", nargs="+", default=["8,8", "4,4"],
-                        help="intra forward,backward warps per setting")
+    parser.add_argument("--warps", nargs="+", default=["8,8,8,4", "4,4,8,4", "8,8,4,8"],
+                        help="warps of intra_a_fwd,intra_wu_fwd,intra_bwd,intra_bwd_a per setting")
     args = parser.parse_args()
 
     from kda_op import chunk_kda
@@ -53,11 +53,12 @@ def main() -> int:
         o.backward(do)
 
     for setting in args.warps:
-        launch.INTRA_FWD_WARPS, launch.INTRA_BWD_WARPS = (int(x) for x in setting.split(","))
+        launch.INTRA_A_FWD_WARPS, launch.INTRA_WU_FWD_WARPS, launch.INTRA_BWD_WARPS, launch.INTRA_BWD_A_WARPS = (
+            int(x) for x in setting.split(","))
         fwd_bwd()  # compiles
         f = triton.testing.do_bench(fwd, warmup=50, rep=300, return_mode="median")
         fb = triton.testing.do_bench(fwd_bwd, warmup=50, rep=300, grad_to_none=inputs, return_mode="median")
-        print(f"{name} intra warps fwd,bwd = {setting}: forward {f:.3f} ms, forward+backward {fb:.3f} ms", flush=True)
+        print(f"{name} warps a_fwd,wu_fwd,bwd,bwd_a = {setting}: forward {f:.3f} ms, forward+backward {fb:.3f} ms", flush=True)
         for key, ms in sorted(kernel_times(fwd_bwd).items(), key=lambda kv: -kv[1])[:8]:
             print(f"    {ms:8.3f} ms  {key[:90]}", flush=True)
     return 0

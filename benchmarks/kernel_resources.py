@@ -22,8 +22,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import intra_bwd, intra_bwd_a, intra_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
-from kda_op.triton_kernels.launch import BC, BKD, BT, INTRA_BWD_A_WARPS, MAX_SPLIT, _sizes
+from kda_op.triton_kernels import intra_a_fwd, intra_bwd, intra_bwd_a, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
+from kda_op.triton_kernels import launch as L
+from kda_op.triton_kernels.launch import BC, BKD, BKD_A, BT, MAX_SPLIT, _sizes
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
@@ -64,9 +65,15 @@ def main(argv: list[str] | None = None) -> int:
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     common = dict(K=K, V=V, BT=BT)
     runs = [
-        (intra_fwd.kda_intra_fwd_kernel,
-         dict(q=x, k=x, v=x, g=f32, beta=x, gam=f32, akk=f32, aqk=f32, w=f32, u=f32, tm=f32, scale="fp32", **ints),
-         dict(common, BC=BC, BK=s["BK"], BV=s["BV"], STORE_TM=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 8, 3),
+        (intra_a_fwd.kda_intra_a_fwd_kernel,
+         dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=f32, steep="*i32", scale="fp32", **ints),
+         dict(K=K, BT=BT, BK=s["BK"], DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), L.INTRA_A_FWD_WARPS, 3),
+        (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
+         dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale="fp32", **ints),
+         dict(K=K, BT=BT, BC=BC, BK=s["BK"], DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 8, 3),
+        (intra_wu_fwd.kda_intra_wu_fwd_kernel,
+         dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=f32, u=f32, tm=f32, **ints),
+         dict(common, BC=BC, BK=s["BK"], BV=s["BV"], STORE_TM=True, DOT_PREC=prec), L.INTRA_WU_FWD_WARPS, 3),
         (state_fwd.kda_state_fwd_kernel,
          dict(k=x, w=f32, u=f32, gam=f32, h0=f32, up=f32, chunk_states=f32, ht=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_H0=True, DOT_PREC=prec), 8, s["SCAN_STAGES"]),
@@ -81,11 +88,15 @@ def main(argv: list[str] | None = None) -> int:
          dict(q=x, k=x, v=x, beta=x, gam=f32, akk=f32, tm=f32, up=f32, dup=f32, chunk_states=f32,
               dchunk_states=f32, do=x, dq=f32, dk=f32, dv=x, dbeta=x, dgam=f32, dgam_last=f32,
               dakk=f32, daqk=f32, scale="fp32", **ints),
-         dict(common, BKS=32, BV=s["BV"], DOT_PREC=prec), 8, 3),
+         dict(common, BKS=32, BV=s["BV"], DOT_PREC=prec), L.INTRA_BWD_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
-         dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, dq=f32, dk=f32, dgam=f32, dg=f32,
-              scale="fp32", **ints),
-         dict(K=K, BT=BT, BC=BC, BKD=BKD, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), INTRA_BWD_A_WARPS, 3),
+         dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
+              dg=f32, scale="fp32", **ints),
+         dict(K=K, BT=BT, BKD=BKD_A, DOT_PREC=prec), L.INTRA_BWD_A_WARPS, 3),
+        (intra_bwd_a.kda_intra_bwd_a_steep_kernel,
+         dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
+              dg=f32, scale="fp32", **ints),
+         dict(K=K, BT=BT, BC=BC, BKD=BKD, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(q=x, k=x, v=x, g=f32, beta=x, h0=f32, o=x, ht=f32, scale="fp32", T="i32", H="i32", HV="i32"),
          dict(K=K, V=V, BK=s["BK"], BV=32, HAS_H0=True), 4, 3),

@@ -4,8 +4,11 @@ process, and a training run whose loss falls."""
 
 from __future__ import annotations
 
+import functools
+import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -94,6 +97,44 @@ def test_export_dynamic_save_load(tmp_path):
         torch.testing.assert_close(states[0][0], want_states[0][0], rtol=1e-5, atol=1e-5)
 
 
+@functools.lru_cache(maxsize=None)
+def _links_libstdcxx_dynamically(cxx: str) -> bool:
+    """Whether ``cxx -shared`` leaves libstdc++ a shared library of the result."""
+    with tempfile.TemporaryDirectory() as d:
+        src, lib = os.path.join(d, "probe.cpp"), os.path.join(d, "probe.so")
+        Path(src).write_text("#include <locale>\nbool probe() { return std::has_facet<std::ctype<char>>(std::locale()); }\n")
+        try:
+            subprocess.run([cxx, "-shared", "-fPIC", src, "-o", lib], check=True, capture_output=True, timeout=120)
+            dynamic = subprocess.run(["readelf", "-d", lib], check=True, capture_output=True, text=True, timeout=60)
+        except (OSError, subprocess.SubprocessError):
+            return False
+    return "libstdc++" in dynamic.stdout
+
+
+def _aoti_package(ep, package_path: str) -> str:
+    """aoti_compile_and_package with a C++ compiler that links libstdc++ dynamically.
+
+    Inductor compiles the model .so with $CXX. A compiler that links libstdc++
+    statically (the GPU image sets CXX=/opt/gcc/bin/g++, which does) puts a second
+    copy of the C++ runtime in the .so; loaded beside torch's libstdc++.so.6 the
+    two copies' locale facets mix, and the std::regex of AOTI's parse_device_str
+    crashes while the package loads: SIGSEGV with GCC 13 (torch 2.11), std::bad_cast
+    with GCC 12. Any model, kda_op or not. So take the first of $CXX, g++ and c++
+    that links it dynamically; where none does, inductor's own choice."""
+    configs = {}
+    for cxx in (os.environ.get("CXX"), "g++", "c++"):
+        if cxx and _links_libstdcxx_dynamically(cxx):
+            configs = {"cpp.cxx": (None, cxx)}
+            break
+    return torch._inductor.aoti_compile_and_package(ep, package_path=package_path, inductor_configs=configs)
+
+
+def _run_fresh(script, package, ids_path, mode, env):
+    """The package in a new interpreter; faulthandler prints where a crash happens."""
+    return subprocess.run([sys.executable, "-X", "faulthandler", str(script), package, str(ids_path), mode],
+                          capture_output=True, text=True, env=env)
+
+
 _FRESH = textwrap.dedent(
     """
     import sys, torch
@@ -108,16 +149,15 @@ _FRESH = textwrap.dedent(
 
 def test_aoti_package_runs_in_a_fresh_process(tmp_path):
     model = _model().eval()
-    package = torch._inductor.aoti_compile_and_package(_export(model), package_path=str(tmp_path / "kda_lm_aoti.pt2"))
+    package = _aoti_package(_export(model), str(tmp_path / "kda_lm_aoti.pt2"))
     ids = torch.randint(0, VOCAB, (3, 41))
     ids_path = tmp_path / "ids.pt"
     torch.save(ids, ids_path)
     script = tmp_path / "run_package.py"
     script.write_text(_FRESH)
-    env = {"PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, str(script), package, str(ids_path), "import"],
-                         capture_output=True, text=True, env={**__import__("os").environ, **env})
-    assert run.returncode == 0, run.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = _run_fresh(script, package, ids_path, "import", env)
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
     with torch.no_grad():
         want, _ = model(ids)
     torch.testing.assert_close(torch.load(str(ids_path) + ".out"), want, rtol=1e-5, atol=1e-5)
@@ -125,9 +165,8 @@ def test_aoti_package_runs_in_a_fresh_process(tmp_path):
     # On CPU the package calls the op through the dispatcher, and kda_op's ops are
     # Python custom ops with no C++ schema: without the import it cannot run
     # (DESIGN.md section 5). This documents that requirement.
-    run = subprocess.run([sys.executable, str(script), package, str(ids_path), "no-import"],
-                         capture_output=True, text=True, env={**__import__("os").environ, **env})
-    assert run.returncode != 0 and "kda_op" in run.stderr
+    run = _run_fresh(script, package, ids_path, "no-import", env)
+    assert run.returncode != 0 and "kda_op" in run.stderr, (run.returncode, run.stderr[-2000:])
 
 
 def test_training_loss_falls():
@@ -174,19 +213,17 @@ def test_cuda_model_compile_export_and_aoti(tmp_path):
     seq = torch.export.Dim("seq", min=1, max=8192)
     ep = torch.export.export(model, (torch.randint(0, VOCAB, (2, 70), device="cuda"),),
                              dynamic_shapes=({0: batch, 1: seq},))
-    package = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "kda_lm_cuda.pt2"))
+    package = _aoti_package(ep, str(tmp_path / "kda_lm_cuda.pt2"))
     ids = torch.randint(0, VOCAB, (3, 41), device="cuda")
     ids_path = tmp_path / "ids.pt"
     torch.save(ids, ids_path)
     script = tmp_path / "run_package.py"
     script.write_text(_FRESH)
-    env = {**__import__("os").environ, "PYTHONPATH": str(REPO)}
-    run = subprocess.run([sys.executable, str(script), package, str(ids_path), "import"],
-                         capture_output=True, text=True, env=env)
-    assert run.returncode == 0, run.stderr[-3000:]
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    run = _run_fresh(script, package, ids_path, "import", env)
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
     with torch.no_grad():
         want, _ = model(ids)
     torch.testing.assert_close(torch.load(str(ids_path) + ".out").cuda(), want, rtol=1e-4, atol=1e-4)
-    run = subprocess.run([sys.executable, str(script), package, str(ids_path), "no-import"],
-                         capture_output=True, text=True, env=env)
+    run = _run_fresh(script, package, ids_path, "no-import", env)
     assert run.returncode != 0 and "kda_op" in run.stderr, (run.returncode, run.stderr[-2000:])

@@ -97,4 +97,4 @@ def test_cuda_trace_has_kernel_stages(tmp_path):
                   "kda_op::bwd::intra_recompute", "kda_op::bwd::state_scan", "kda_op::bwd::intra"):
         assert stage in names, stage
     kernels = {e.get("name") for e in events if e.get("cat") == "kernel"}
-    assert any("kda_intra_fwd_kernel" in k for k in kernels), sorted(kernels)[:20]
+    assert any("kda_intra_a_fwd_kernel" in k for k in kernels), sorted(kernels)[:20]

@@ -1,10 +1,11 @@
 """Triton (CUDA) kernels of the KDA ops, one module per stage of the chunked form
 (DESIGN.md section 2; chunks of CHUNK_SIZE = 64 tokens, sub-blocks of 16):
 
-forward   intra_fwd.py   gam = cumsum(g), A_kk, A_qk, Tm = (I + diag(beta) A_kk)^-1, W, U
+forward   intra_a_fwd.py  gam = cumsum(g), A_kk, A_qk (a separate launch for steep chunks)
+          intra_wu_fwd.py Tm = (I + diag(beta) A_kk)^-1, W, U
           state_fwd.py   the scan over chunks: chunk states, residuals U' = U - W S0
           output_fwd.py  O = (Q exp(gam)) S0 + A_qk U'
-backward  intra_fwd.py   recomputed, keeping Tm
+backward  intra_a_fwd.py, intra_wu_fwd.py  recomputed, keeping Tm
           state_bwd.py   the reverse scan: dU', the grads of the chunk states, dh0
           intra_bwd.py   dv, dbeta, dA_kk, dA_qk and partial dq, dk inside each chunk
           intra_bwd_a.py back through A_kk, A_qk: dq, dk, dg (parallel over K slices)

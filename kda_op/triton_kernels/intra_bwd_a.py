@@ -1,12 +1,16 @@
 """Stage 2 of the backward, second half: back through A_kk and A_qk, then dg.
 
-One program per (chunk, batch * value head, slice of K BKD wide): the slices are
+One program per (chunk, batch * value head, slice of K): the slices are
 independent here (every product runs along the chunk, not along K), so this is
 the widest grid of the backward. It takes dA_kk, dA_qk (intra_bwd.py) back
-through A_kk = (K_i . K_j exp(gam_i - gam_j)) and A_qk alike, with the same
-sub-blocks and reference rows as the forward (intra_fwd.py), adds the partial
-dq, dk, d(gam) of intra_bwd.py and turns d(gam) into dg with a reverse cumulative
-sum over the chunk (the chunk's d(Gam) goes to every row of it).
+through A_kk[i, j] = sum_k K_ik K_jk exp(gam_ik - gam_jk) and A_qk alike, adds
+the partial dq, dk, d(gam) of intra_bwd.py and turns d(gam) into dg with a
+reverse cumulative sum over the chunk (the chunk's d(Gam) goes to every row).
+
+The chunks the forward split at their middle row (steep = 0, intra_a_fwd.py) go
+the same way back: four [BT, BT] x [BT, BKD] dots (kda_intra_bwd_a_kernel). The
+steep ones use the forward's sub-blocks and reference rows, in a separate launch
+(kda_intra_bwd_a_steep_kernel) so that the common kernel stays small.
 """
 
 from __future__ import annotations
@@ -19,7 +23,72 @@ from ._indexing import sequence_and_heads
 
 @triton.jit
 def kda_intra_bwd_a_kernel(
-    q, k, gam, dakk, daqk, dgam_last,
+    q, k, gam, dakk, daqk, dgam_last, steep,
+    dq, dk, dgam, dg,
+    scale, T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr,
+    BT: tl.constexpr, BKD: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_s = tl.program_id(2)
+    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    gam += (bos_pad * HV + i_hv) * K
+    dakk += (bos * HV + i_hv) * BT
+    daqk += (bos * HV + i_hv) * BT
+    dq += (bos * HV + i_hv) * K
+    dk += (bos * HV + i_hv) * K
+    dg += (bos * HV + i_hv) * K
+    dgam += (bos * HV + i_hv) * K
+    dgam_last += ((i_b * NC + i_c) * HV + i_hv) * K
+    t0 = i_c * BT
+
+    o_s = i_s * BKD + tl.arange(0, BKD)
+    m_s = o_s < K
+    if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) == 0:
+        # Split at the middle row m as the forward did: every factor lies within
+        # exp(+-MAX_SPLIT); dA_kk and dA_qk are zero above their diagonals, so no
+        # overflowing product enters.
+        o_r = tl.arange(0, BT)
+        o_t = t0 + o_r
+        m_t = o_t < T
+        m_ts = m_t[:, None] & m_s[None, :]
+        b_g = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+        b_dmid = b_g - b_gmid[None, :]
+        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+        p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
+        b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
+        b_dkk = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)
+        b_ep = tl.exp(b_dmid)
+        b_en = tl.exp(-b_dmid)
+        b_kn = b_k * b_en
+        b_tq = b_ep * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
+        b_tk = b_ep * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
+        b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_q * b_ep, input_precision=DOT_PREC)
+                        + tl.dot(tl.trans(b_dkk), b_k * b_ep, input_precision=DOT_PREC))
+        row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
+        b_dq = tl.load(dq + row_ts, mask=m_ts, other=0.0) + b_tq
+        b_dk = tl.load(dk + row_ts, mask=m_ts, other=0.0) + b_tk + b_tkj
+        b_dgam = tl.load(dgam + row_ts, mask=m_ts, other=0.0) + b_q * b_tq + b_k * (b_tk - b_tkj)
+        # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
+        b_dg = tl.cumsum(b_dgam, 0, reverse=True) + tl.load(dgam_last + o_s, mask=m_s, other=0.0)[None, :]
+        tl.store(dq + row_ts, b_dq, mask=m_ts)
+        tl.store(dk + row_ts, b_dk, mask=m_ts)
+        tl.store(dg + row_ts, b_dg.to(dg.dtype.element_ty), mask=m_ts)
+
+
+@triton.jit
+def kda_intra_bwd_a_steep_kernel(
+    q, k, gam, dakk, daqk, dgam_last, steep,
     dq, dk, dgam, dg,
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
@@ -50,41 +119,7 @@ def kda_intra_bwd_a_kernel(
     causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
     o_s = i_s * BKD + tl.arange(0, BKD)
     m_s = o_s < K
-    # Whole chunk at once when its gates allow, as in intra_fwd.py: split at the
-    # middle row m, so the way back through the A's is four [BT, BT] x [BT, BKD]
-    # dots. dA_kk and dA_qk are zero above their diagonals, so no overflowing
-    # product enters.
-    o_r = tl.arange(0, BT)
-    o_t = t0 + o_r
-    m_t = o_t < T
-    m_ts = m_t[:, None] & m_s[None, :]
-    b_g = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-    b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
-    b_dmid = b_g - b_gmid[None, :]
-    if tl.max(tl.max(tl.abs(b_dmid), 1), 0) <= MAX_SPLIT:
-        b_q_c = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-        b_k_c = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-        p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
-        b_dqk_c = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
-        b_dkk_c = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)
-        b_ep_c = tl.exp(b_dmid)
-        b_en_c = tl.exp(-b_dmid)
-        b_kn_c = b_k_c * b_en_c
-        b_tq_c = b_ep_c * tl.dot(b_dqk_c, b_kn_c, input_precision=DOT_PREC)
-        b_tk_c = b_ep_c * tl.dot(b_dkk_c, b_kn_c, input_precision=DOT_PREC)
-        b_tkj_c = b_en_c * (tl.dot(tl.trans(b_dqk_c), b_q_c * b_ep_c, input_precision=DOT_PREC)
-                        + tl.dot(tl.trans(b_dkk_c), b_k_c * b_ep_c, input_precision=DOT_PREC))
-        row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
-        b_dq_c = tl.load(dq + row_ts, mask=m_ts, other=0.0) + b_tq_c
-        b_dk_c = tl.load(dk + row_ts, mask=m_ts, other=0.0) + b_tk_c + b_tkj_c
-        b_dgam_c = tl.load(dgam + row_ts, mask=m_ts, other=0.0) + b_q_c * b_tq_c + b_k_c * (b_tk_c - b_tkj_c)
-        # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
-        b_dg_c = tl.cumsum(b_dgam_c, 0, reverse=True) + tl.load(dgam_last + o_s, mask=m_s, other=0.0)[None, :]
-        tl.store(dq + row_ts, b_dq_c, mask=m_ts)
-        tl.store(dk + row_ts, b_dk_c, mask=m_ts)
-        tl.store(dg + row_ts, b_dg_c.to(dg.dtype.element_ty), mask=m_ts)
-    else:
-        # Steeper gates: sub-blocks of BC rows with reference rows (intra_fwd.py).
+    if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) != 0:
         b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
         for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
             o_i = t0 + i_i * BC + o_c
@@ -138,7 +173,7 @@ def kda_intra_bwd_a_kernel(
                 b_dgi -= b_ki * b_tk
 
             # diagonal block: split at its middle row m when the gates allow (as in
-            # intra_fwd.py): exp(gam_i - gam_j) = exp(gam_i - gam_m) exp(gam_m - gam_j)
+            # intra_a_fwd.py): exp(gam_i - gam_j) = exp(gam_i - gam_m) exp(gam_m - gam_j)
             col = i_i * BC + o_c[None, :]
             b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
             b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)

@@ -17,25 +17,28 @@ from torch.profiler import record_function
 
 from .._contract import CHUNK_SIZE
 from .intra_bwd import kda_intra_bwd_kernel
-from .intra_bwd_a import kda_intra_bwd_a_kernel
-from .intra_fwd import kda_intra_fwd_kernel
+from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
+from .intra_bwd_a import kda_intra_bwd_a_kernel, kda_intra_bwd_a_steep_kernel
+from .intra_wu_fwd import kda_intra_wu_fwd_kernel
 from .output_fwd import kda_output_fwd_kernel
 from .recurrent_fwd import kda_recurrent_fwd_kernel
 from .state_bwd import kda_state_bwd_kernel
 from .state_fwd import kda_state_fwd_kernel
 
 BT = CHUNK_SIZE  # chunk length of the kernels = the chunk length of the saved states
-BC = 16  # sub-block length inside a chunk (see intra_fwd.py on numerics)
-# A diagonal sub-block takes the two-dot path when exp(+-(gam_i - gam_mid)) stays
-# within exp(60) (fp32 overflows past exp(88)); steeper gates take the exact path.
+BC = 16  # sub-block length inside a chunk, on its steep path (intra_a_fwd.py)
+# A chunk is split at its middle row when exp(+-(gam_i - gam_mid)) stays within
+# exp(60) (fp32 overflows past exp(88)); steeper chunks take the sub-block path.
 MAX_SPLIT = 60.0
 # Warps per program of the intra-chunk kernels (module-level so that
 # benchmarks/bench_kernels.py can time other settings).
-INTRA_FWD_WARPS = 8
+INTRA_A_FWD_WARPS = 8
+INTRA_WU_FWD_WARPS = 8
 INTRA_BWD_WARPS = 8
 INTRA_BWD_A_WARPS = 4
-# K slice of the backward through the A's: one program each (more programs in
-# flight); its exact diagonal path holds [BC, BC, BKD] tensors.
+# K slices of the backward through the A's, one program each: BKD_A on the
+# common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
+BKD_A = 32
 BKD = 16
 # The scans run 8 warps to spread the [BK, BV_SCAN] fp32 state, and prefetch the
 # next chunk (two stages) while that fits the H200's 227 KB of shared memory:
@@ -83,18 +86,26 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
 def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     f32 = dict(device=q.device, dtype=torch.float32)
+    prec = _dot_precision(q.dtype)
     gam = torch.empty(B, NC * BT, HV, K, **f32)
     akk = torch.empty(B, T, HV, BT, **f32)
     aqk = torch.empty(B, T, HV, BT, **f32)
+    steep = torch.empty(B, NC, HV, device=q.device, dtype=torch.int32)
     w = torch.empty(B, T, HV, K, **f32)
     u = torch.empty(B, T, HV, V, **f32)
     tm = torch.empty(B, T, HV, BT, **f32) if store_tm else akk  # akk: an unused placeholder
-    kda_intra_fwd_kernel[(NC, B * HV)](
-        q, k, v, g, beta, gam, akk, aqk, w, u, tm, scale, T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=s["BV"],
-        STORE_TM=store_tm, DOT_PREC=_dot_precision(q.dtype), MAX_SPLIT=MAX_SPLIT, num_warps=INTRA_FWD_WARPS,
+    sizes = dict(H=s["H"], HV=HV, K=K, BT=BT, BK=s["BK"], DOT_PREC=prec)
+    kda_intra_a_fwd_kernel[(NC, B * HV)](
+        q, k, g, gam, akk, aqk, steep, scale, T, NC, **sizes, MAX_SPLIT=MAX_SPLIT, num_warps=INTRA_A_FWD_WARPS,
     )
-    return gam, akk, aqk, w, u, (tm if store_tm else None)
+    kda_intra_a_fwd_steep_kernel[(NC, B * HV)](
+        q, k, gam, akk, aqk, steep, scale, T, NC, **sizes, BC=BC, MAX_SPLIT=MAX_SPLIT, num_warps=8,
+    )
+    kda_intra_wu_fwd_kernel[(NC, B * HV)](
+        k, v, beta, gam, akk, w, u, tm, T, NC, **sizes, V=V, BC=BC, BV=s["BV"],
+        STORE_TM=store_tm, num_warps=INTRA_WU_FWD_WARPS,
+    )
+    return gam, akk, aqk, w, u, (tm if store_tm else None), steep
 
 
 def kda_fwd_triton(
@@ -117,7 +128,7 @@ def kda_fwd_triton(
     prec = _dot_precision(q.dtype)
     if NC > 0:
         with record_function("kda_op::fwd::intra"):
-            gam, _, aqk, w, u, _ = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False)
+            gam, _, aqk, w, u, _, _ = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False)
     else:  # T == 0: the scan only copies the initial state through
         gam = aqk = w = u = torch.empty(0, **f32)
     up = torch.empty(B, T, HV, V, **f32)
@@ -164,7 +175,7 @@ def kda_bwd_triton(
 
     prec = _dot_precision(q.dtype)
     with record_function("kda_op::bwd::intra_recompute"):
-        gam, akk, aqk, w, u, tm = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
+        gam, akk, aqk, w, u, tm, steep = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
 
     up = torch.empty(B, T, HV, V, **f32)
     dup = torch.empty(B, T, HV, V, **f32)
@@ -198,11 +209,14 @@ def kda_bwd_triton(
             DOT_PREC=prec, num_warps=INTRA_BWD_WARPS,
         )
     with record_function("kda_op::bwd::intra_through_a"):
-        kda_intra_bwd_a_kernel[(NC, B * HV, triton.cdiv(K, BKD))](
-            q, k, gam, dakk, daqk, dgam_last, dq_e, dk_e, dgam, dg,
-            scale, T, NC,
-            H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=BKD,
-            DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, num_warps=INTRA_BWD_A_WARPS,
+        common = dict(H=H, HV=HV, K=K, BT=BT, DOT_PREC=prec)
+        kda_intra_bwd_a_kernel[(NC, B * HV, triton.cdiv(K, BKD_A))](
+            q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, scale, T, NC,
+            **common, BKD=BKD_A, num_warps=INTRA_BWD_A_WARPS,
+        )
+        kda_intra_bwd_a_steep_kernel[(NC, B * HV, triton.cdiv(K, BKD))](
+            q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, scale, T, NC,
+            **common, BC=BC, BKD=BKD, MAX_SPLIT=MAX_SPLIT, num_warps=4,
         )
     with record_function("kda_op::bwd::gva_reduce"):
         # GVA: sum the G value heads of each key head; q entered the kernels scaled.

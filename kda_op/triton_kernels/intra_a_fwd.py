@@ -1,0 +1,159 @@
+"""Stage 1a (forward, and recomputed in the backward): gam and the chunk's A's.
+
+One program per (chunk, batch * value head). With gam = cumsum(g) inside the
+chunk it writes
+  gam                          [B, NC*BT, HV, K]  (padded rows repeat the last gam)
+  A_kk (strictly lower)        [B, T, HV, BT]     A_kk[i, j] = sum_k K_ik K_jk exp(gam_ik - gam_jk)
+  A_qk (lower, with diagonal)  [B, T, HV, BT]     A_qk alike with Q * scale for K_i
+  steep                        [B, NC, HV]        1 where the chunk took the steep path
+
+Numerics: exp(gam_i - gam_j) is never formed as exp(gam_i) * exp(-gam_j) over
+the chunk. kda_intra_a_fwd_kernel splits it at the chunk's middle row m,
+exp(gam_i - gam_m) exp(gam_m - gam_j), when every factor stays within
+exp(+-MAX_SPLIT) (fp32 overflows past exp(88)): then both A's are two
+[BT, K] x [K, BT] dots whose kept entries (i >= j) are exact; the entries above
+the diagonal may overflow and are dropped. Otherwise it marks the chunk steep and
+kda_intra_a_fwd_steep_kernel, a separate launch so that the common kernel stays
+small, forms the A's from sub-blocks of BC rows: an off-diagonal block (I > J)
+uses the first row r of block I as reference, so both exp(gam_i - gam_r) and
+exp(gam_r - gam_j) are <= 1 for a decaying gate; a diagonal block splits at its
+own middle row when that block allows, and otherwise forms each pair exactly.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._indexing import sequence_and_heads
+
+
+@triton.jit
+def kda_intra_a_fwd_kernel(
+    q, k, g, gam, akk, aqk, steep,
+    scale, T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    g += (bos * HV + i_hv) * K
+    gam += (bos_pad * HV + i_hv) * K
+    akk += (bos * HV + i_hv) * BT
+    aqk += (bos * HV + i_hv) * BT
+    t0 = i_c * BT
+
+    o_r = tl.arange(0, BT)
+    o_t = t0 + o_r
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+
+    # gam = cumsum(g) in fp32; padded rows load g = 0, so they repeat the last gam.
+    b_g = tl.load(g + (o_t[:, None]) * (HV * K) + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    b_gam = tl.cumsum(b_g, axis=0)
+    tl.store(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], b_gam, mask=m_k[None, :])
+    tl.debug_barrier()
+
+    b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
+    b_dmid = b_gam - b_gmid[None, :]
+    is_steep = tl.max(tl.max(tl.abs(b_dmid), 1), 0) > MAX_SPLIT
+    tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
+    if not is_steep:
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_ep = tl.exp(b_dmid)
+        b_kn = tl.trans(b_k * tl.exp(-b_dmid))
+        b_akk = tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
+        b_aqk = tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
+        p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
+        tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
+        tl.store(aqk + p_a, tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), mask=m_t[:, None])
+
+
+@triton.jit
+def kda_intra_a_fwd_steep_kernel(
+    q, k, gam, akk, aqk, steep,
+    scale, T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
+):
+    """The A's of the chunks kda_intra_a_fwd_kernel marked steep; the others return at once."""
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) != 0:
+        bos_pad = i_b * NC * BT
+        q += (bos * H + i_h) * K
+        k += (bos * H + i_h) * K
+        gam += (bos_pad * HV + i_hv) * K
+        akk += (bos * HV + i_hv) * BT
+        aqk += (bos * HV + i_hv) * BT
+        t0 = i_c * BT
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
+        o_c = tl.arange(0, BC)
+        for i_i in tl.static_range(BT // BC):
+            o_i = t0 + i_i * BC + o_c
+            m_i = o_i < T
+            p_qi = q + (o_i[:, None]) * (H * K) + o_k[None, :]
+            p_ki = k + (o_i[:, None]) * (H * K) + o_k[None, :]
+            b_qi = tl.load(p_qi, mask=m_i[:, None] & m_k[None, :], other=0.0).to(tl.float32) * scale
+            b_ki = tl.load(p_ki, mask=m_i[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_ei = tl.exp(b_gi - b_gr[None, :])
+            b_kia = b_ki * b_ei
+            b_qia = b_qi * b_ei
+            row_off = (o_i[:, None]) * (HV * BT)
+            for i_j in tl.static_range(i_i):
+                o_j = t0 + i_j * BC + o_c
+                m_j = o_j < T
+                b_kj = tl.load(k + (o_j[:, None]) * (H * K) + o_k[None, :],
+                               mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                b_gj = tl.load(gam + (o_j[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+                b_kjb = tl.trans(b_kj * tl.exp(b_gr[None, :] - b_gj))
+                b_akk = tl.dot(b_kia, b_kjb, input_precision=DOT_PREC)
+                b_aqk = tl.dot(b_qia, b_kjb, input_precision=DOT_PREC)
+                col = i_j * BC + o_c[None, :]
+                tl.store(akk + row_off + col, b_akk, mask=m_i[:, None])
+                tl.store(aqk + row_off + col, b_aqk, mask=m_i[:, None])
+
+            # Diagonal block. Split at the middle row m: exp(gam_i - gam_j) =
+            # exp(gam_i - gam_m) exp(gam_m - gam_j), two dots. Each factor stays within
+            # exp(+-MAX_SPLIT) when the block's gates do (checked here, per block); the
+            # products of the kept entries (i >= j) are the exact exp(gam_i - gam_j).
+            # Entries above the diagonal may overflow and are dropped by the where.
+            b_gm = tl.load(gam + (t0 + i_i * BC + BC // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_dm = b_gi - b_gm[None, :]
+            if tl.max(tl.max(tl.abs(b_dm), 1), 0) <= MAX_SPLIT:
+                b_em = tl.exp(b_dm)
+                b_kn = tl.trans(b_ki * tl.exp(-b_dm))
+                b_akk_d = tl.dot(b_ki * b_em, b_kn, input_precision=DOT_PREC)
+                b_aqk_d = tl.dot(b_qi * b_em, b_kn, input_precision=DOT_PREC)
+                col = i_i * BC + o_c[None, :]
+                tl.store(akk + row_off + col, tl.where(o_c[:, None] > o_c[None, :], b_akk_d, 0.0), mask=m_i[:, None])
+                tl.store(aqk + row_off + col, tl.where(o_c[:, None] >= o_c[None, :], b_aqk_d, 0.0), mask=m_i[:, None])
+            else:
+                # Steep gates: exact exp(gam_i - gam_j) per pair, one column j at a time.
+                for j in range(BC):  # a runtime loop: unrolled, it multiplies compile time
+                    t_j = t0 + i_i * BC + j
+                    b_krow = tl.load(k + t_j * (H * K) + o_k[None, :], mask=m_k[None, :] & (t_j < T),
+                                     other=0.0).to(tl.float32)
+                    b_grow = tl.load(gam + t_j * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+                    b_kje = b_krow * tl.exp(tl.where(o_c[:, None] >= j, b_gi - b_grow, float("-inf")))
+                    p_col = row_off + i_i * BC + j
+                    # strictly lower for A_kk (its diagonal is 0), lower with the diagonal for A_qk
+                    tl.store(akk + p_col, tl.where(o_c[:, None] > j, tl.sum(b_ki * b_kje, 1, keep_dims=True), 0.0),
+                             mask=m_i[:, None])
+                    tl.store(aqk + p_col, tl.sum(b_qi * b_kje, 1, keep_dims=True), mask=m_i[:, None])

@@ -1,0 +1,92 @@
+"""Stage 1b (forward, and recomputed in the backward): Tm, W and U of each chunk.
+
+One program per (chunk, batch * value head). From A_kk and gam (intra_a_fwd.py):
+  Tm = (I + diag(beta) A_kk)^-1                (stored when STORE_TM: the backward needs it)
+  W  = Tm diag(beta) (K * exp(gam))            [B, T, HV, K]
+  U  = Tm diag(beta) V                         [B, T, HV, V]
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._indexing import sequence_and_heads
+
+
+@triton.jit
+def kda_intra_wu_fwd_kernel(
+    k, v, beta, gam, akk,
+    w, u, tm,
+    T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    k += (bos * H + i_h) * K
+    v += (bos * HV + i_hv) * V
+    u += (bos * HV + i_hv) * V
+    w += (bos * HV + i_hv) * K
+    beta += bos * HV + i_hv
+    gam += (bos_pad * HV + i_hv) * K
+    akk += (bos * HV + i_hv) * BT
+    tm += (bos * HV + i_hv) * BT
+    t0 = i_c * BT
+
+    o_r = tl.arange(0, BT)
+    o_t = t0 + o_r
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_c = tl.arange(0, BC)
+
+    # Tm = (I + M)^-1, M = diag(beta) A_kk strictly lower. With D the BC x BC
+    # diagonal blocks of M and N the rest, I + M = (I + D)(I + P), P = (I + D)^-1 N.
+    # The four (I + D) blocks are inverted together by forward substitution (BC - 1
+    # steps on [NB, BC, BC]); P is strictly block-lower, so P^NB = 0 and
+    # (I + P)^-1 = (I - P)(I + P^2) for NB = 4: three dots instead of BT - 1
+    # sequential row updates.
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+    b_a = tl.load(akk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
+                  mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
+    b_m = b_beta[:, None] * b_a
+    NB: tl.constexpr = BT // BC
+    tl.static_assert(BT // BC == 4, "(I + P)^-1 = (I - P)(I + P^2) needs exactly 4 sub-blocks")
+    o_b = tl.arange(0, NB)
+    same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
+    b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
+    b_x = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for i in range(1, BC):
+        row = (o_c == i)
+        b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
+        b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
+        b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
+    b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (BT, BT))
+    b_n = tl.where(o_r[:, None] // BC > o_r[None, :] // BC, b_m, 0.0)
+    b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    b_p = tl.dot(b_dinv, b_n, input_precision=DOT_PREC)
+    b_p2 = tl.dot(b_p, b_p, input_precision=DOT_PREC)
+    b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
+    if STORE_TM:
+        tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], b_tm, mask=m_t[:, None])
+
+    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
+                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    # gam is reloaded rather than kept live through the inverse (register pressure).
+    b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_w = tl.dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), input_precision=DOT_PREC)
+    tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], b_w, mask=m_t[:, None] & m_k[None, :])
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_u = tl.dot(b_tm, b_beta[:, None] * b_v, input_precision=DOT_PREC)
+        tl.store(u + p_v, b_u, mask=m_t[:, None] & m_v[None, :])
