@@ -61,28 +61,29 @@ def main(argv: list[str] | None = None) -> int:
     s = _sizes(q, torch.empty(1, 1, 1, V, device="meta"))
     x = f"*{args.dtype}"
     f32 = "*fp32"
+    op = x if args.dtype == "bf16" else f32  # the scans' operand dtype (launch._operand_dtype)
     prec = "tf32x3" if args.dtype == "fp32" else "tf32"
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     common = dict(K=K, V=V, BT=BT)
     runs = [
         (intra_a_fwd.kda_intra_a_fwd_kernel,
-         dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=f32, steep="*i32", scale="fp32", **ints),
+         dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=f32, steep="*i32", qg=op, kr=op, scale="fp32", **ints),
          dict(K=K, BT=BT, BK=s["BK"], DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale="fp32", **ints),
          dict(K=K, BT=BT, BC=BC, BK=s["BK"], DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 8, 3),
         (intra_wu_fwd.kda_intra_wu_fwd_kernel,
-         dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=f32, u=f32, tm=f32, **ints),
+         dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=f32, tm=f32, **ints),
          dict(common, BC=BC, BK=s["BK"], BV=s["BV"], STORE_TM=True, DOT_PREC=prec), L.INTRA_WU_FWD_WARPS, 3),
         (state_fwd.kda_state_fwd_kernel,
-         dict(k=x, w=f32, u=f32, gam=f32, h0=f32, up=f32, chunk_states=f32, ht=f32, **ints),
+         dict(kr=op, w=op, u=f32, gam=f32, h0=f32, up=f32, chunk_states=f32, ht=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_H0=True, DOT_PREC=prec), 8, s["SCAN_STAGES"]),
         (output_fwd.kda_output_fwd_kernel,
-         dict(q=x, gam=f32, aqk=f32, up=f32, chunk_states=f32, o=x, scale="fp32", **ints),
+         dict(qg=op, aqk=f32, up=f32, chunk_states=f32, o=x, **ints),
          dict(common, BK=s["BK"], BV=s["BV"], DOT_PREC=prec), 8, 3),
         (state_bwd.kda_state_bwd_kernel,
-         dict(q=x, k=x, w=f32, u=f32, gam=f32, aqk=f32, chunk_states=f32, do=x, dht=f32, up=f32, dup=f32,
-              dchunk_states=f32, dh0=f32, scale="fp32", **ints),
+         dict(qg=op, kr=op, w=op, u=f32, gam=f32, aqk=f32, chunk_states=f32, do=x, dht=f32, up=f32, dup=f32,
+              dchunk_states=f32, dh0=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), 8, s["SCAN_STAGES"]),
         (intra_bwd.kda_intra_bwd_kernel,
          dict(q=x, k=x, v=x, beta=x, gam=f32, akk=f32, tm=f32, up=f32, dup=f32, chunk_states=f32,

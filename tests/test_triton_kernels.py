@@ -124,3 +124,29 @@ def test_triton_every_path_of_the_intra_chunk_kernels():
     for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
         assert torch.isfinite(got).all(), name
         _rel_close(got, want, name)
+
+
+def test_triton_bf16_inputs_match_reference():
+    """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'
+    operand dtype); o and the grads come back in bf16."""
+    names = ("q", "k", "v", "g", "beta")
+    inputs = make_inputs(B=1, T=CHUNK_SIZE + 86, H=1, G=2, K=32, V=32, dtype=torch.float64, seed=3)
+    x64 = [inputs[n] for n in names]
+    h0 = inputs["initial_state"]
+    xbf = [x.float() if n == "g" else x.to(torch.bfloat16) for n, x in zip(names, x64)]
+    # the reference sees the same (rounded) inputs, in fp64
+    ref_in = [x.double() for x in xbf]
+    gen = torch.Generator().manual_seed(9)
+    do = torch.randn(1, CHUNK_SIZE + 86, 2, 32, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    dht = torch.randn(1, 2, 32, 32, generator=gen)
+
+    o, ht, cs = kda_fwd_triton(*[x.to(DEVICE) for x in xbf], None, h0.float().to(DEVICE))
+    o_ref, ht_ref, cs_ref = kda_forward_reference(*ref_in, None, h0)
+    grads = kda_bwd_triton(*[x.to(DEVICE) for x in xbf], None, h0.float().to(DEVICE), cs, do.to(DEVICE), dht.to(DEVICE))
+    grads_ref = kda_backward_reference(*ref_in, None, h0, cs_ref, do.double(), dht.double())
+    assert o.dtype == torch.bfloat16 and grads[0].dtype == torch.bfloat16
+    for name, got, want in zip(("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
+                               (o, ht) + tuple(grads), (o_ref, ht_ref) + tuple(grads_ref)):
+        err = ((got.cpu().double() - want).norm() / want.norm()).item()
+        # bf16 rounding (2^-8) of the outputs and of W, Qg, Kr; TF32 dots (2^-11)
+        assert err < 1e-2, (name, err)

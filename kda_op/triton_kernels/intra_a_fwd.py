@@ -6,6 +6,9 @@ chunk it writes
   A_kk (strictly lower)        [B, T, HV, BT]     A_kk[i, j] = sum_k K_ik K_jk exp(gam_ik - gam_jk)
   A_qk (lower, with diagonal)  [B, T, HV, BT]     A_qk alike with Q * scale for K_i
   steep                        [B, NC, HV]        1 where the chunk took the steep path
+  Qg = Q * scale * exp(gam),  Kr = K * exp(Gam - gam)   [B, T, HV, K]  (Gam: the chunk's
+                               last gam) in the scans' operand dtype: what the scans and
+                               the output read instead of Q, K and gam
 
 Numerics: exp(gam_i - gam_j) is never formed as exp(gam_i) * exp(-gam_j) over
 the chunk. kda_intra_a_fwd_kernel splits it at the chunk's middle row m,
@@ -30,7 +33,7 @@ from ._indexing import sequence_and_heads
 
 @triton.jit
 def kda_intra_a_fwd_kernel(
-    q, k, g, gam, akk, aqk, steep,
+    q, k, g, gam, akk, aqk, steep, qg, kr,
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -48,6 +51,8 @@ def kda_intra_a_fwd_kernel(
     gam += (bos_pad * HV + i_hv) * K
     akk += (bos * HV + i_hv) * BT
     aqk += (bos * HV + i_hv) * BT
+    qg += (bos * HV + i_hv) * K
+    kr += (bos * HV + i_hv) * K
     t0 = i_c * BT
 
     o_r = tl.arange(0, BT)
@@ -63,14 +68,19 @@ def kda_intra_a_fwd_kernel(
     tl.store(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], b_gam, mask=m_k[None, :])
     tl.debug_barrier()
 
+    m_tk = m_t[:, None] & m_k[None, :]
+    b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    b_glast = tl.load(gam + (t0 + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+    p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
+    tl.store(qg + p_tk, (b_q * tl.exp(b_gam)).to(qg.dtype.element_ty), mask=m_tk)
+    tl.store(kr + p_tk, (b_k * tl.exp(b_glast[None, :] - b_gam)).to(kr.dtype.element_ty), mask=m_tk)
+
     b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
     b_dmid = b_gam - b_gmid[None, :]
     is_steep = tl.max(tl.max(tl.abs(b_dmid), 1), 0) > MAX_SPLIT
     tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
     if not is_steep:
-        m_tk = m_t[:, None] & m_k[None, :]
-        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         b_ep = tl.exp(b_dmid)
         b_kn = tl.trans(b_k * tl.exp(-b_dmid))
         b_akk = tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)

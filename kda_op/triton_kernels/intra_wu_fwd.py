@@ -2,8 +2,8 @@
 
 One program per (chunk, batch * value head). From A_kk and gam (intra_a_fwd.py):
   Tm = (I + diag(beta) A_kk)^-1                (stored when STORE_TM: the backward needs it)
-  W  = Tm diag(beta) (K * exp(gam))            [B, T, HV, K]
-  U  = Tm diag(beta) V                         [B, T, HV, V]
+  W  = Tm diag(beta) (K * exp(gam))            [B, T, HV, K]  (the scans' operand dtype)
+  U  = Tm diag(beta) V                         [B, T, HV, V]  (fp32)
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def kda_intra_wu_fwd_kernel(
     # gam is reloaded rather than kept live through the inverse (register pressure).
     b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
     b_w = tl.dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), input_precision=DOT_PREC)
-    tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], b_w, mask=m_t[:, None] & m_k[None, :])
+    tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V

@@ -45,6 +45,14 @@ BKD = 16
 # BK <= 128 (measured by compiling: 148-222 KB at BK = 128, 280-337 KB at 256).
 
 
+def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
+    """dtype of W, Qg and Kr, what the scans and the output read once per chunk:
+    bf16 for bf16 inputs (half the bytes; the range of fp32; the dots still run
+    in TF32 on the upcast values), fp32 otherwise (fp16's range is too narrow
+    for W = Tm diag(beta) K exp(gam))."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     # fp32 inputs: 3xTF32 keeps products at about fp32 accuracy on the tensor
     # cores. bf16/fp16 inputs: plain TF32 (10-bit mantissa) is already finer than
@@ -91,12 +99,16 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
     akk = torch.empty(B, T, HV, BT, **f32)
     aqk = torch.empty(B, T, HV, BT, **f32)
     steep = torch.empty(B, NC, HV, device=q.device, dtype=torch.int32)
-    w = torch.empty(B, T, HV, K, **f32)
+    operand = dict(device=q.device, dtype=_operand_dtype(q.dtype))
+    qg = torch.empty(B, T, HV, K, **operand)
+    kr = torch.empty(B, T, HV, K, **operand)
+    w = torch.empty(B, T, HV, K, **operand)
     u = torch.empty(B, T, HV, V, **f32)
     tm = torch.empty(B, T, HV, BT, **f32) if store_tm else akk  # akk: an unused placeholder
     sizes = dict(H=s["H"], HV=HV, K=K, BT=BT, BK=s["BK"], DOT_PREC=prec)
     kda_intra_a_fwd_kernel[(NC, B * HV)](
-        q, k, g, gam, akk, aqk, steep, scale, T, NC, **sizes, MAX_SPLIT=MAX_SPLIT, num_warps=INTRA_A_FWD_WARPS,
+        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **sizes, MAX_SPLIT=MAX_SPLIT,
+        num_warps=INTRA_A_FWD_WARPS,
     )
     kda_intra_a_fwd_steep_kernel[(NC, B * HV)](
         q, k, gam, akk, aqk, steep, scale, T, NC, **sizes, BC=BC, MAX_SPLIT=MAX_SPLIT, num_warps=8,
@@ -105,7 +117,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
         k, v, beta, gam, akk, w, u, tm, T, NC, **sizes, V=V, BC=BC, BV=s["BV"],
         STORE_TM=store_tm, num_warps=INTRA_WU_FWD_WARPS,
     )
-    return gam, akk, aqk, w, u, (tm if store_tm else None), steep
+    return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
 
 def kda_fwd_triton(
@@ -128,20 +140,20 @@ def kda_fwd_triton(
     prec = _dot_precision(q.dtype)
     if NC > 0:
         with record_function("kda_op::fwd::intra"):
-            gam, _, aqk, w, u, _, _ = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False)
+            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False)
     else:  # T == 0: the scan only copies the initial state through
-        gam = aqk = w = u = torch.empty(0, **f32)
+        x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     up = torch.empty(B, T, HV, V, **f32)
     with record_function("kda_op::fwd::state_scan"):
         kda_state_fwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
-            k, w, u, gam, h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
+            x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
             HAS_H0=h0 is not None, DOT_PREC=prec, num_warps=8, num_stages=s["SCAN_STAGES"],
         )
     if NC > 0:
         with record_function("kda_op::fwd::output"):
             kda_output_fwd_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
-                q, gam, aqk, up, chunk_states, o, scale, T, NC,
+                x["qg"], x["aqk"], up, chunk_states, o, T, NC,
                 H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
                 DOT_PREC=prec, num_warps=8,
             )
@@ -175,7 +187,8 @@ def kda_bwd_triton(
 
     prec = _dot_precision(q.dtype)
     with record_function("kda_op::bwd::intra_recompute"):
-        gam, akk, aqk, w, u, tm, steep = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
+        x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
+    gam, akk, aqk, tm, steep = x["gam"], x["akk"], x["aqk"], x["tm"], x["steep"]
 
     up = torch.empty(B, T, HV, V, **f32)
     dup = torch.empty(B, T, HV, V, **f32)
@@ -184,9 +197,9 @@ def kda_bwd_triton(
     dht_arg = dht.contiguous() if dht is not None else dh0
     with record_function("kda_op::bwd::state_scan"):
         kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
-            q, k, w, u, gam, aqk, chunk_states, do, dht_arg,
+            x["qg"], x["kr"], x["w"], x["u"], gam, aqk, chunk_states, do, dht_arg,
             up, dup, dchunk_states, dh0,
-            scale, T, NC,
+            T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
             HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=8, num_stages=s["SCAN_STAGES"],
         )

@@ -13,9 +13,9 @@ from ._indexing import sequence_and_heads
 
 @triton.jit
 def kda_output_fwd_kernel(
-    q, gam, aqk, up, chunk_states,
+    qg, aqk, up, chunk_states,
     o,
-    scale, T, NC,
+    T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -25,11 +25,9 @@ def kda_output_fwd_kernel(
     i_bh = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
-    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
-    q += (bos * H + i_h) * K
-    gam += (bos_pad * HV + i_hv) * K
+    qg += (bos * HV + i_hv) * K
     aqk += (bos * HV + i_hv) * BT
     up += (bos * HV + i_hv) * V
     o += (bos * HV + i_hv) * V
@@ -43,15 +41,14 @@ def kda_output_fwd_kernel(
     m_v = o_v < V
     o_r = tl.arange(0, BT)
 
-    b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :],
-                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32) * scale
-    b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_qg = tl.load(qg + (o_t[:, None]) * (HV * K) + o_k[None, :],
+                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     b_s0 = tl.load(chunk_states + o_k[:, None] * V + o_v[None, :],
                    mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
     row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
     b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-    b_o = tl.dot(b_q * tl.exp(b_gam), b_s0, input_precision=DOT_PREC)
+    b_o = tl.dot(b_qg, b_s0, input_precision=DOT_PREC)
     b_o += tl.dot(b_a, b_up, input_precision=DOT_PREC)
     tl.store(o + row_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])

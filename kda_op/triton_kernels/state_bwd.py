@@ -19,9 +19,9 @@ from ._indexing import sequence_and_heads
 
 @triton.jit
 def kda_state_bwd_kernel(
-    q, k, w, u, gam, aqk, chunk_states, do, dht,
+    qg, kr, w, u, gam, aqk, chunk_states, do, dht,
     up, dup, dchunk_states, dh0,
-    scale, T, NC,
+    T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -33,8 +33,8 @@ def kda_state_bwd_kernel(
     bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
-    q += (bos * H + i_h) * K
-    k += (bos * H + i_h) * K
+    qg += (bos * HV + i_hv) * K
+    kr += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     u += (bos * HV + i_hv) * V
     up += (bos * HV + i_hv) * V
@@ -72,17 +72,14 @@ def kda_state_bwd_kernel(
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
 
         b_s0 = tl.load(chunk_states + i_c * cs_stride + state_off, mask=m_kv, other=0.0)
-        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)
+        b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
         b_u = tl.load(u + row_v, mask=m_tv, other=0.0)
         b_up = b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC)
         tl.store(up + row_v, b_up, mask=m_tv)
 
-        b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
         b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_kr = b_k * tl.exp(b_glast[None, :] - b_gam)
-        b_qg = b_q * scale * tl.exp(b_gam)
+        b_kr = tl.load(kr + row_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_qg = tl.load(qg + row_k, mask=m_tk, other=0.0).to(tl.float32)
         b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                       mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)

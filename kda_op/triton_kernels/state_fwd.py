@@ -2,7 +2,8 @@
 
 One program per (V block, batch * value head) carries S [K, BV] in fp32 through
 the chunks: it saves S at every chunk boundary, writes the residuals
-U' = U - W S0, and hands S on with S_C = exp(Gam) S0 + (K * exp(Gam - gam))^T U'.
+U' = U - W S0, and hands S on with S_C = exp(Gam) S0 + Kr^T U',
+Kr = K * exp(Gam - gam) (from intra_a_fwd.py, like W in the scans' operand dtype).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ._indexing import sequence_and_heads
 
 @triton.jit
 def kda_state_fwd_kernel(
-    k, w, u, gam, h0,
+    kr, w, u, gam, h0,
     up, chunk_states, ht,
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
@@ -29,7 +30,7 @@ def kda_state_fwd_kernel(
     bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
-    k += (bos * H + i_h) * K
+    kr += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     u += (bos * HV + i_hv) * V
     up += (bos * HV + i_hv) * V
@@ -58,17 +59,13 @@ def kda_state_fwd_kernel(
         m_t = o_t < T
         row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
-        b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_up = b_u - tl.dot(b_w, b_s, input_precision=DOT_PREC)
         tl.store(up + row_v, b_up, mask=m_t[:, None] & m_v[None, :])
 
-        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
-                      mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        p_gam = gam + (o_t[:, None]) * (HV * K) + o_k[None, :]
-        b_gam = tl.load(p_gam, mask=m_k[None, :], other=0.0)
+        b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-        b_kr = b_k * tl.exp(b_glast[None, :] - b_gam)
         b_s = b_s * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kr), b_up, input_precision=DOT_PREC)
 
     tl.store(chunk_states + NC * cs_stride + state_off, b_s, mask=m_kv)
