@@ -22,7 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import intra_a_fwd, intra_bwd, intra_bwd_a, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
+from kda_op.triton_kernels import intra_a_fwd, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
 from kda_op.triton_kernels import launch as L
 from kda_op.triton_kernels.launch import BC, BKD, BKD_A, BT, MAX_SPLIT, _sizes
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=f32, steep="*i32", qg=op, kr=op, scale="fp32", **ints),
-         dict(K=K, BT=BT, BK=s["BK"], DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), L.INTRA_A_FWD_WARPS, 3),
+         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale="fp32", **ints),
          dict(K=K, BT=BT, BC=BC, BK=s["BK"], DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 8, 3),
@@ -85,11 +85,14 @@ def main(argv: list[str] | None = None) -> int:
          dict(qg=op, kr=op, w=op, u=f32, gam=f32, aqk=f32, chunk_states=f32, do=x, dht=f32, up=f32, dup=f32,
               dchunk_states=f32, dh0=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), 8, s["SCAN_STAGES"]),
+        (intra_bwd_w.kda_intra_bwd_w_kernel,
+         dict(q=x, k=x, beta=x, gam=f32, tm=f32, up=f32, dup=f32, chunk_states=f32, dchunk_states=f32, do=x,
+              dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, scale="fp32", **ints),
+         dict(common, BKS=L.BKS, BV=s["BV"], DOT_PREC=prec), L.INTRA_BWD_W_WARPS, 1),
         (intra_bwd.kda_intra_bwd_kernel,
-         dict(q=x, k=x, v=x, beta=x, gam=f32, akk=f32, tm=f32, up=f32, dup=f32, chunk_states=f32,
-              dchunk_states=f32, do=x, dq=f32, dk=f32, dv=x, dbeta=x, dgam=f32, dgam_last=f32,
-              dakk=f32, daqk=f32, scale="fp32", **ints),
-         dict(common, BKS=32, BV=s["BV"], DOT_PREC=prec), L.INTRA_BWD_WARPS, 3),
+         dict(v=x, beta=x, akk=f32, tm=f32, up=f32, dup=f32, do=x, dtm_part=f32, dbeta_part=f32,
+              dv=x, dbeta=x, dakk=f32, daqk=f32, **ints),
+         dict(V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, L.BKS), DOT_PREC=prec), L.INTRA_BWD_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=f32, scale="fp32", **ints),

@@ -7,7 +7,8 @@ forward   intra_a_fwd.py  gam = cumsum(g), A_kk, A_qk (a separate launch for ste
           output_fwd.py  O = (Q exp(gam)) S0 + A_qk U'
 backward  intra_a_fwd.py, intra_wu_fwd.py  recomputed, keeping Tm
           state_bwd.py   the reverse scan: dU', the grads of the chunk states, dh0
-          intra_bwd.py   dv, dbeta, dA_kk, dA_qk and partial dq, dk inside each chunk
+          intra_bwd_w.py back through the states and W: partial dq, dk, dg (per K slice)
+          intra_bwd.py   dv, dbeta, dA_kk, dA_qk
           intra_bwd_a.py back through A_kk, A_qk: dq, dk, dg (parallel over K slices)
 decode    recurrent_fwd.py  token by token, the state held on chip (fused_recurrent_kda)
 shared    _indexing.py   program index -> batch, heads, sequence start

@@ -36,7 +36,7 @@ def kda_intra_a_fwd_kernel(
     q, k, g, gam, akk, aqk, steep, qg, kr,
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
-    K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
 ):
     i_c = tl.program_id(0)
@@ -58,37 +58,51 @@ def kda_intra_a_fwd_kernel(
     o_r = tl.arange(0, BT)
     o_t = t0 + o_r
     m_t = o_t < T
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
+    is_last = (o_r == BT - 1)[:, None]
+    is_mid = (o_r == BT // 2)[:, None]
 
-    # gam = cumsum(g) in fp32; padded rows load g = 0, so they repeat the last gam.
-    b_g = tl.load(g + (o_t[:, None]) * (HV * K) + o_k[None, :],
-                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    b_gam = tl.cumsum(b_g, axis=0)
-    tl.store(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], b_gam, mask=m_k[None, :])
-    tl.debug_barrier()
+    # Pass 1 over K slices (columns are independent here): gam = cumsum(g) in fp32
+    # (padded rows load g = 0, so they repeat the last gam), Qg and Kr, and how far
+    # gam strays from the chunk's middle row.
+    spread = tl.full([], 0.0, tl.float32)
+    for i_s in range(tl.cdiv(K, BKA)):
+        o_k = i_s * BKA + tl.arange(0, BKA)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
+        b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+        tl.store(gam + p_tk, b_gam, mask=m_k[None, :])
+        b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
+        b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
+        spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_gam - b_gmid[None, :]), 1), 0))
+        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        tl.store(qg + p_tk, (b_q * tl.exp(b_gam)).to(qg.dtype.element_ty), mask=m_tk)
+        tl.store(kr + p_tk, (b_k * tl.exp(b_glast[None, :] - b_gam)).to(kr.dtype.element_ty), mask=m_tk)
 
-    m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
-    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-    b_glast = tl.load(gam + (t0 + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-    p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
-    tl.store(qg + p_tk, (b_q * tl.exp(b_gam)).to(qg.dtype.element_ty), mask=m_tk)
-    tl.store(kr + p_tk, (b_k * tl.exp(b_glast[None, :] - b_gam)).to(kr.dtype.element_ty), mask=m_tk)
-
-    b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
-    b_dmid = b_gam - b_gmid[None, :]
-    is_steep = tl.max(tl.max(tl.abs(b_dmid), 1), 0) > MAX_SPLIT
+    is_steep = spread > MAX_SPLIT
     tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
     if not is_steep:
-        b_ep = tl.exp(b_dmid)
-        b_kn = tl.trans(b_k * tl.exp(-b_dmid))
-        b_akk = tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
-        b_aqk = tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
+        # Pass 2: both A's, accumulated over the K slices.
+        tl.debug_barrier()  # gam of this chunk, stored by every thread above
+        b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_s in range(tl.cdiv(K, BKA)):
+            o_k = i_s * BKA + tl.arange(0, BKA)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_dmid = b_gam - b_gmid[None, :]
+            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_ep = tl.exp(b_dmid)
+            b_kn = tl.trans(b_k * tl.exp(-b_dmid))
+            b_akk += tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
+            b_aqk += tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
         tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
         tl.store(aqk + p_a, tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), mask=m_t[:, None])
-
 
 @triton.jit
 def kda_intra_a_fwd_steep_kernel(

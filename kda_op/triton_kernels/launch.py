@@ -19,6 +19,7 @@ from .._contract import CHUNK_SIZE
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
 from .intra_bwd_a import kda_intra_bwd_a_kernel, kda_intra_bwd_a_steep_kernel
+from .intra_bwd_w import kda_intra_bwd_w_kernel
 from .intra_wu_fwd import kda_intra_wu_fwd_kernel
 from .output_fwd import kda_output_fwd_kernel
 from .recurrent_fwd import kda_recurrent_fwd_kernel
@@ -34,8 +35,13 @@ MAX_SPLIT = 60.0
 # benchmarks/bench_kernels.py can time other settings).
 INTRA_A_FWD_WARPS = 8
 INTRA_WU_FWD_WARPS = 8
+INTRA_BWD_W_WARPS = 8
 INTRA_BWD_WARPS = 8
 INTRA_BWD_A_WARPS = 4
+# K slices of the forward's A's (intra_a_fwd.py): bounded shared memory at any K
+BKA = 64
+# K slices of the backward through the states and W (intra_bwd_w.py)
+BKS = 32
 # K slices of the backward through the A's, one program each: BKD_A on the
 # common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
 BKD_A = 32
@@ -105,17 +111,17 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
     w = torch.empty(B, T, HV, K, **operand)
     u = torch.empty(B, T, HV, V, **f32)
     tm = torch.empty(B, T, HV, BT, **f32) if store_tm else akk  # akk: an unused placeholder
-    sizes = dict(H=s["H"], HV=HV, K=K, BT=BT, BK=s["BK"], DOT_PREC=prec)
+    common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
     kda_intra_a_fwd_kernel[(NC, B * HV)](
-        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **sizes, MAX_SPLIT=MAX_SPLIT,
-        num_warps=INTRA_A_FWD_WARPS,
+        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, num_warps=INTRA_A_FWD_WARPS,
     )
     kda_intra_a_fwd_steep_kernel[(NC, B * HV)](
-        q, k, gam, akk, aqk, steep, scale, T, NC, **sizes, BC=BC, MAX_SPLIT=MAX_SPLIT, num_warps=8,
+        q, k, gam, akk, aqk, steep, scale, T, NC, **common, BC=BC, BK=s["BK"], num_warps=8,
     )
     kda_intra_wu_fwd_kernel[(NC, B * HV)](
-        k, v, beta, gam, akk, w, u, tm, T, NC, **sizes, V=V, BC=BC, BV=s["BV"],
-        STORE_TM=store_tm, num_warps=INTRA_WU_FWD_WARPS,
+        k, v, beta, gam, akk, w, u, tm, T, NC,
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=s["BV"],
+        STORE_TM=store_tm, DOT_PREC=prec, num_warps=INTRA_WU_FWD_WARPS,
     )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
@@ -213,12 +219,24 @@ def kda_bwd_triton(
     dv = torch.empty_like(v)
     dg = torch.empty_like(g)
     dbeta = torch.empty_like(beta)
+    NS = triton.cdiv(K, BKS)
+    dtm_part = torch.empty(B, NC, HV, NS, BT, BT, **f32)
+    dbeta_part = torch.empty(B, NC, HV, NS, BT, **f32)
+    with record_function("kda_op::bwd::intra_through_w"):
+        kda_intra_bwd_w_kernel[(NC, B * HV, NS)](
+            q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
+            dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
+            scale, T, NC,
+            H=H, HV=HV, K=K, V=V, BT=BT, BKS=BKS, BV=s["BV"],
+            # one stage: its V loop is short, and prefetching it cost spills at 4 warps
+            DOT_PREC=prec, num_warps=INTRA_BWD_W_WARPS, num_stages=1,
+        )
     with record_function("kda_op::bwd::intra"):
         kda_intra_bwd_kernel[(NC, B * HV)](
-            q, k, v, beta, gam, akk, tm, up, dup, chunk_states, dchunk_states, do,
-            dq_e, dk_e, dv, dbeta, dgam, dgam_last, dakk, daqk,
-            scale, T, NC,
-            H=H, HV=HV, K=K, V=V, BT=BT, BKS=32, BV=s["BV"],
+            v, beta, akk, tm, up, dup, do, dtm_part, dbeta_part,
+            dv, dbeta, dakk, daqk,
+            T, NC,
+            H=H, HV=HV, V=V, BT=BT, BV=s["BV"], NS=NS,
             DOT_PREC=prec, num_warps=INTRA_BWD_WARPS,
         )
     with record_function("kda_op::bwd::intra_through_a"):
