@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
          dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale="fp32", **ints),
-         dict(K=K, BT=BT, BC=BC, BK=s["BK"], DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 8, 3),
+         dict(K=K, BT=BT, BC=BC, BKS=L.BKS, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         (intra_wu_fwd.kda_intra_wu_fwd_kernel,
          dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=f32, tm=f32, **ints),
          dict(common, BC=BC, BK=s["BK"], BV=s["BV"], STORE_TM=True, DOT_PREC=prec), L.INTRA_WU_FWD_WARPS, 3),

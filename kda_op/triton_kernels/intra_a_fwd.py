@@ -109,10 +109,14 @@ def kda_intra_a_fwd_steep_kernel(
     q, k, gam, akk, aqk, steep,
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
-    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
 ):
-    """The A's of the chunks kda_intra_a_fwd_kernel marked steep; the others return at once."""
+    """The A's of the chunks kda_intra_a_fwd_kernel marked steep; the others return
+    at once. Row block by row block (BC rows), over K slices (BKS wide): the
+    columns before the block through one dot with the block's first row as
+    reference; the diagonal block split at its middle row where the slice allows,
+    else exactly, pair by pair."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -124,60 +128,57 @@ def kda_intra_a_fwd_steep_kernel(
         akk += (bos * HV + i_hv) * BT
         aqk += (bos * HV + i_hv) * BT
         t0 = i_c * BT
-        o_k = tl.arange(0, BK)
-        m_k = o_k < K
+        o_r = tl.arange(0, BT)
+        o_t = t0 + o_r
+        m_t = o_t < T
         o_c = tl.arange(0, BC)
         for i_i in tl.static_range(BT // BC):
             o_i = t0 + i_i * BC + o_c
             m_i = o_i < T
-            p_qi = q + (o_i[:, None]) * (H * K) + o_k[None, :]
-            p_ki = k + (o_i[:, None]) * (H * K) + o_k[None, :]
-            b_qi = tl.load(p_qi, mask=m_i[:, None] & m_k[None, :], other=0.0).to(tl.float32) * scale
-            b_ki = tl.load(p_ki, mask=m_i[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-            b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_k, mask=m_k, other=0.0)
-            b_ei = tl.exp(b_gi - b_gr[None, :])
-            b_kia = b_ki * b_ei
-            b_qia = b_qi * b_ei
+            before = o_r < i_i * BC  # the columns left of the diagonal block
+            b_akk = tl.zeros([BC, BT], dtype=tl.float32)
+            b_aqk = tl.zeros([BC, BT], dtype=tl.float32)
+            b_akk_d = tl.zeros([BC, BC], dtype=tl.float32)
+            b_aqk_d = tl.zeros([BC, BC], dtype=tl.float32)
+            for i_s in range(tl.cdiv(K, BKS)):
+                o_s = i_s * BKS + tl.arange(0, BKS)
+                m_s = o_s < K
+                m_is = m_i[:, None] & m_s[None, :]
+                b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+                b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+                b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                # columns j before the block, reference r = the block's first row: both
+                # exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a decaying gate
+                b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                b_kc = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :],
+                               mask=(m_t & before)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
+                b_gc = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                b_kcb = tl.trans(b_kc * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_gc, 0.0)))
+                b_ei = tl.exp(b_gi - b_gr[None, :])
+                b_akk += tl.dot(b_ki * b_ei, b_kcb, input_precision=DOT_PREC)
+                b_aqk += tl.dot(b_qi * b_ei, b_kcb, input_precision=DOT_PREC)
+                # the diagonal block: split at its middle row m where this slice allows
+                b_gm = tl.load(gam + (t0 + i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                b_dm = b_gi - b_gm[None, :]
+                if tl.max(tl.max(tl.abs(b_dm), 1), 0) <= MAX_SPLIT:
+                    b_kn = tl.trans(b_ki * tl.exp(-b_dm))
+                    b_em = tl.exp(b_dm)
+                    # entries above the diagonal may overflow: dropped by the where below
+                    b_akk_d += tl.dot(b_ki * b_em, b_kn, input_precision=DOT_PREC)
+                    b_aqk_d += tl.dot(b_qi * b_em, b_kn, input_precision=DOT_PREC)
+                else:  # exact exp(gam_i - gam_j), one column j at a time
+                    for j in range(BC):  # a runtime loop: unrolled, it multiplies compile time
+                        t_j = t0 + i_i * BC + j
+                        b_krow = tl.load(k + t_j * (H * K) + o_s[None, :], mask=m_s[None, :] & (t_j < T),
+                                         other=0.0).to(tl.float32)
+                        b_grow = tl.load(gam + t_j * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                        b_kje = b_krow * tl.exp(tl.where(o_c[:, None] >= j, b_gi - b_grow, float("-inf")))
+                        is_j = o_c[None, :] == j
+                        b_akk_d = tl.where(is_j, b_akk_d + tl.sum(b_ki * b_kje, 1)[:, None], b_akk_d)
+                        b_aqk_d = tl.where(is_j, b_aqk_d + tl.sum(b_qi * b_kje, 1)[:, None], b_aqk_d)
             row_off = (o_i[:, None]) * (HV * BT)
-            for i_j in tl.static_range(i_i):
-                o_j = t0 + i_j * BC + o_c
-                m_j = o_j < T
-                b_kj = tl.load(k + (o_j[:, None]) * (H * K) + o_k[None, :],
-                               mask=m_j[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-                b_gj = tl.load(gam + (o_j[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-                b_kjb = tl.trans(b_kj * tl.exp(b_gr[None, :] - b_gj))
-                b_akk = tl.dot(b_kia, b_kjb, input_precision=DOT_PREC)
-                b_aqk = tl.dot(b_qia, b_kjb, input_precision=DOT_PREC)
-                col = i_j * BC + o_c[None, :]
-                tl.store(akk + row_off + col, b_akk, mask=m_i[:, None])
-                tl.store(aqk + row_off + col, b_aqk, mask=m_i[:, None])
-
-            # Diagonal block. Split at the middle row m: exp(gam_i - gam_j) =
-            # exp(gam_i - gam_m) exp(gam_m - gam_j), two dots. Each factor stays within
-            # exp(+-MAX_SPLIT) when the block's gates do (checked here, per block); the
-            # products of the kept entries (i >= j) are the exact exp(gam_i - gam_j).
-            # Entries above the diagonal may overflow and are dropped by the where.
-            b_gm = tl.load(gam + (t0 + i_i * BC + BC // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
-            b_dm = b_gi - b_gm[None, :]
-            if tl.max(tl.max(tl.abs(b_dm), 1), 0) <= MAX_SPLIT:
-                b_em = tl.exp(b_dm)
-                b_kn = tl.trans(b_ki * tl.exp(-b_dm))
-                b_akk_d = tl.dot(b_ki * b_em, b_kn, input_precision=DOT_PREC)
-                b_aqk_d = tl.dot(b_qi * b_em, b_kn, input_precision=DOT_PREC)
-                col = i_i * BC + o_c[None, :]
-                tl.store(akk + row_off + col, tl.where(o_c[:, None] > o_c[None, :], b_akk_d, 0.0), mask=m_i[:, None])
-                tl.store(aqk + row_off + col, tl.where(o_c[:, None] >= o_c[None, :], b_aqk_d, 0.0), mask=m_i[:, None])
-            else:
-                # Steep gates: exact exp(gam_i - gam_j) per pair, one column j at a time.
-                for j in range(BC):  # a runtime loop: unrolled, it multiplies compile time
-                    t_j = t0 + i_i * BC + j
-                    b_krow = tl.load(k + t_j * (H * K) + o_k[None, :], mask=m_k[None, :] & (t_j < T),
-                                     other=0.0).to(tl.float32)
-                    b_grow = tl.load(gam + t_j * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-                    b_kje = b_krow * tl.exp(tl.where(o_c[:, None] >= j, b_gi - b_grow, float("-inf")))
-                    p_col = row_off + i_i * BC + j
-                    # strictly lower for A_kk (its diagonal is 0), lower with the diagonal for A_qk
-                    tl.store(akk + p_col, tl.where(o_c[:, None] > j, tl.sum(b_ki * b_kje, 1, keep_dims=True), 0.0),
-                             mask=m_i[:, None])
-                    tl.store(aqk + p_col, tl.sum(b_qi * b_kje, 1, keep_dims=True), mask=m_i[:, None])
+            tl.store(akk + row_off + o_r[None, :], b_akk, mask=m_i[:, None] & before[None, :])
+            tl.store(aqk + row_off + o_r[None, :], b_aqk, mask=m_i[:, None] & before[None, :])
+            col = i_i * BC + o_c[None, :]
+            tl.store(akk + row_off + col, tl.where(o_c[:, None] > o_c[None, :], b_akk_d, 0.0), mask=m_i[:, None])
+            tl.store(aqk + row_off + col, tl.where(o_c[:, None] >= o_c[None, :], b_aqk_d, 0.0), mask=m_i[:, None])

@@ -116,7 +116,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, num_warps=INTRA_A_FWD_WARPS,
     )
     kda_intra_a_fwd_steep_kernel[(NC, B * HV)](
-        q, k, gam, akk, aqk, steep, scale, T, NC, **common, BC=BC, BK=s["BK"], num_warps=8,
+        q, k, gam, akk, aqk, steep, scale, T, NC, **common, BC=BC, BKS=BKS, num_warps=4,
     )
     kda_intra_wu_fwd_kernel[(NC, B * HV)](
         k, v, beta, gam, akk, w, u, tm, T, NC,
