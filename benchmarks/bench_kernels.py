@@ -1,8 +1,12 @@
 """Time each of our kernels (torch.profiler, CUDA time per forward+backward step)
-under several launch settings of the intra-chunk kernels, on the first standard
-shape (B1-T8192-H16, bf16, K = V = 128). Needs a CUDA GPU; no fla.
+under other values of the launch settings in kda_op/triton_kernels/launch.py, on
+the first standard shape (B1-T8192-H16, bf16, K = V = 128), and check that every
+setting computes what the defaults do (relative difference of o, the final state
+and the six grads). Needs a CUDA GPU; no fla.
 
-    python benchmarks/bench_kernels.py [--warps 8,8,8,4 4,4,8,4]
+    python benchmarks/bench_kernels.py [--settings "" "BV_SCAN=16" "INTRA_A_FWD_WARPS=4,INTRA_WU_FWD_WARPS=4"]
+
+The empty setting is the defaults; it always runs first.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import torch
 import triton.testing
 
 from bench_chunk_kda import SHAPES, make_inputs
+
+DEFAULT_SETTINGS = ["", "BV_SCAN=16", "INTRA_A_FWD_WARPS=4,INTRA_WU_FWD_WARPS=4",
+                    "INTRA_BWD_W_WARPS=4,INTRA_BWD_WARPS=4", "INTRA_BWD_A_WARPS=8"]
 
 
 def kernel_times(step, reps: int = 5) -> dict:
@@ -33,8 +40,8 @@ def kernel_times(step, reps: int = 5) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--warps", nargs="+", default=["8,8,8,4", "4,4,8,4", "8,8,4,8"],
-                        help="warps of intra_a_fwd,intra_wu_fwd,intra_bwd,intra_bwd_a per setting")
+    parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
+                        help="comma-separated NAME=VALUE of launch.py's upper-case settings, one string per run")
     args = parser.parse_args()
 
     from kda_op import chunk_kda
@@ -43,6 +50,7 @@ def main() -> int:
     name, B, T, H, HV = SHAPES[0]
     inputs, do = make_inputs(B, T, H, HV)
     q, k, v, g, beta, h0 = inputs
+    defaults = {n: getattr(launch, n) for n in dir(launch) if n.isupper()}
 
     def fwd():
         with torch.no_grad():
@@ -52,14 +60,32 @@ def main() -> int:
         o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
         o.backward(do)
 
-    for setting in args.warps:
-        launch.INTRA_A_FWD_WARPS, launch.INTRA_WU_FWD_WARPS, launch.INTRA_BWD_WARPS, launch.INTRA_BWD_A_WARPS = (
-            int(x) for x in setting.split(","))
-        fwd_bwd()  # compiles
+    def results():
+        for x in inputs:
+            x.grad = None
+        o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o.backward(do)
+        return [t.detach().float().clone() for t in [o, ht] + [x.grad for x in inputs]]
+
+    settings = [""] + [s for s in args.settings if s]
+    reference = None
+    for setting in settings:
+        for n, value in defaults.items():
+            setattr(launch, n, value)
+        for item in filter(None, setting.split(",")):
+            n, value = item.split("=")
+            if n not in defaults:
+                raise SystemExit(f"unknown setting {n!r}; launch.py has {sorted(defaults)}")
+            setattr(launch, n, type(defaults[n])(value))
+        got = results()  # compiles
+        if reference is None:
+            reference = got
+        diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, reference))
         f = triton.testing.do_bench(fwd, warmup=50, rep=300, return_mode="median")
         fb = triton.testing.do_bench(fwd_bwd, warmup=50, rep=300, grad_to_none=inputs, return_mode="median")
-        print(f"{name} warps a_fwd,wu_fwd,bwd,bwd_a = {setting}: forward {f:.3f} ms, forward+backward {fb:.3f} ms", flush=True)
-        for key, ms in sorted(kernel_times(fwd_bwd).items(), key=lambda kv: -kv[1])[:8]:
+        print(f"{name} [{setting or 'defaults'}]: forward {f:.3f} ms, forward+backward {fb:.3f} ms, "
+              f"max rel diff to defaults {diff:.1e}", flush=True)
+        for key, ms in sorted(kernel_times(fwd_bwd).items(), key=lambda kv: -kv[1])[:12]:
             print(f"    {ms:8.3f} ms  {key[:90]}", flush=True)
     return 0
 

@@ -35,7 +35,7 @@ tests)
     wait
     for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
     step "our kernels, B1-T8192-H16 (bench_kernels.py)"
-    timeout "${KERNELS_LIMIT:-200}" python3 benchmarks/bench_kernels.py >> "$LOG" 2>&1
+    timeout "${KERNELS_LIMIT:-240}" python3 benchmarks/bench_kernels.py >> "$LOG" 2>&1
     ;;
 bench)
     step "ours and fla, standard shapes"

@@ -31,8 +31,9 @@ BC = 16  # sub-block length inside a chunk, on its steep path (intra_a_fwd.py)
 # A chunk is split at its middle row when exp(+-(gam_i - gam_mid)) stays within
 # exp(60) (fp32 overflows past exp(88)); steeper chunks take the sub-block path.
 MAX_SPLIT = 60.0
-# Warps per program of the intra-chunk kernels (module-level so that
-# benchmarks/bench_kernels.py can time other settings).
+# Warps per program of the intra-chunk kernels. These and the other upper-case
+# settings here are module-level so that benchmarks/bench_kernels.py can time
+# (and check) other values.
 INTRA_A_FWD_WARPS = 8
 INTRA_WU_FWD_WARPS = 8
 INTRA_BWD_W_WARPS = 8
@@ -46,9 +47,12 @@ BKS = 32
 # common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
 BKD_A = 32
 BKD = 16
-# The scans run 8 warps to spread the [BK, BV_SCAN] fp32 state, and prefetch the
-# next chunk (two stages) while that fits the H200's 227 KB of shared memory:
-# BK <= 128 (measured by compiling: 148-222 KB at BK = 128, 280-337 KB at 256).
+# The scans: one program per (V block of BV_SCAN, batch * value head), sequential
+# over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
+# next chunk (two stages) where BK <= 128, which fits the H200's 227 KB of shared
+# memory at fp32 (the backward scan: 156 KB at BK = 128, 270 KB at 256 by compiling).
+BV_SCAN = 32
+SCAN_WARPS = 8
 
 
 def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -90,9 +94,7 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         NC=triton.cdiv(T, BT),
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
-        # The scans are sequential over chunks: narrower V blocks give more
-        # programs (B * HV * V / 32) and shorter steps.
-        BV_SCAN=32,
+        BV_SCAN=BV_SCAN,
         SCAN_STAGES=2 if BK <= 128 else 1,
     )
 
@@ -154,7 +156,7 @@ def kda_fwd_triton(
         kda_state_fwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
             x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_H0=h0 is not None, DOT_PREC=prec, num_warps=8, num_stages=s["SCAN_STAGES"],
+            HAS_H0=h0 is not None, DOT_PREC=prec, num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
     if NC > 0:
         with record_function("kda_op::fwd::output"):
@@ -207,7 +209,7 @@ def kda_bwd_triton(
             up, dup, dchunk_states, dh0,
             T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=8, num_stages=s["SCAN_STAGES"],
+            HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
 
     dq_e = torch.empty(B, T, HV, K, **f32)
