@@ -51,7 +51,9 @@ def chunk_kda(
     fp32 (fp64 for fp64 inputs). The function is differentiable in q, k, v, g,
     beta and initial_state through ``torch.ops.kda_op.chunk_kda_bwd``; it traces
     under ``torch.compile(fullgraph=True)`` and ``torch.export``. No input is
-    modified.
+    modified. On CUDA, sequences of at most 16 tokens run the token-by-token
+    kernel of :func:`fused_recurrent_kda` (one launch) and longer ones the chunked
+    kernels.
 
     Raises:
         TypeError: a non-tensor argument, an integer/bool dtype, or q/k/v dtypes

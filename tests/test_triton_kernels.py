@@ -150,3 +150,29 @@ def test_triton_bf16_inputs_match_reference():
         err = ((got.cpu().double() - want).norm() / want.norm()).item()
         # bf16 rounding (2^-8) of the outputs and of W, Qg, Kr; TF32 dots (2^-11)
         assert err < 1e-2, (name, err)
+
+
+@pytest.mark.parametrize("T,with_h0", [(1, True), (7, False), (16, True)])
+def test_triton_short_sequences_route_to_the_recurrent_kernel(T, with_h0, monkeypatch):
+    """Up to RECURRENT_MAX_T tokens the chunked forward runs the recurrent kernel;
+    both ways give the reference's o, final state and chunk states, and the
+    backward takes either's chunk states."""
+    from kda_op.triton_kernels import launch
+
+    assert T <= launch.RECURRENT_MAX_T
+    inputs = _inputs(2, T, 1, 2, 16, 32, with_h0, seed=T + 100)
+    args = [inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+    o_ref, ht_ref, cs_ref = kda_forward_reference(*args, None, h0)
+    routed = kda_fwd_triton(*args, None, h0)
+    monkeypatch.setattr(launch, "RECURRENT_MAX_T", 0)
+    chunked = kda_fwd_triton(*args, None, h0)
+    for got in (routed, chunked):
+        _rel_close(got[0], o_ref, "o")
+        _rel_close(got[1], ht_ref, "final_state")
+        _rel_close(got[2], cs_ref, "chunk_states")
+    do = torch.randn(o_ref.shape, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    grads = kda_bwd_triton(*args, None, h0, routed[2], do, None)
+    grads_ref = kda_backward_reference(*args, None, h0, cs_ref, do, None)
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
+        _rel_close(got, want, name)

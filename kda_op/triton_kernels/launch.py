@@ -53,6 +53,11 @@ BKD = 16
 # memory at fp32 (the backward scan: 156 KB at BK = 128, 270 KB at 256 by compiling).
 BV_SCAN = 32
 SCAN_WARPS = 8
+# Sequences up to this length (decode steps and short prompts through chunk_kda)
+# run token by token in one launch, the state on chip (recurrent_fwd.py), instead
+# of the six launches of the chunked forward; their one chunk's boundaries are the
+# initial and the final state.
+RECURRENT_MAX_T = 16
 
 
 def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -144,6 +149,15 @@ def kda_fwd_triton(
     ht = torch.empty(B, HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     if B * HV == 0:
+        return o, ht, chunk_states
+    if 0 < T <= RECURRENT_MAX_T:
+        with record_function("kda_op::fwd::recurrent"):
+            o, ht = kda_recurrent_fwd_triton(q, k, v, g, beta, scale, h0)
+        if h0 is None:
+            chunk_states[:, 0].zero_()
+        else:
+            chunk_states[:, 0].copy_(h0)
+        chunk_states[:, 1].copy_(ht)
         return o, ht, chunk_states
     prec = _dot_precision(q.dtype)
     if NC > 0:
