@@ -5,7 +5,8 @@ Each run writes a trace that the TensorBoard profiler plugin (torch-tb-profiler)
 reads, ``<out-dir>/<run>/<worker>.<time>.pt.trace.json``; the same file opens
 in Perfetto (ui.perfetto.dev) or chrome://tracing. The op's stages appear as
 ``kda_op::fwd::*`` / ``kda_op::bwd::*`` ranges (on CUDA: intra, state_scan,
-output; intra_recompute, state_scan, intra, gva_reduce; on CPU: the reference's
+output, or recurrent for up to 16 tokens; intra_recompute, state_scan,
+intra_through_w, intra, intra_through_a, gva_reduce; on CPU: the reference's
 recurrence, recompute_chunk and bptt_chunk). The script then prints the top
 kernels/ops by self time.
 
