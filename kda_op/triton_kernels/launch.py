@@ -53,6 +53,7 @@ BKD = 16
 # memory at fp32 (the backward scan: 156 KB at BK = 128, 270 KB at 256 by compiling).
 BV_SCAN = 32
 SCAN_WARPS = 8
+SCAN_STAGES = 2  # where BK <= 128; one stage above
 # Sequences up to this length (decode steps and short prompts through chunk_kda)
 # run token by token in one launch, the state on chip (recurrent_fwd.py), instead
 # of the six launches of the chunked forward; their one chunk's boundaries are the
@@ -100,7 +101,7 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         BV_SCAN=BV_SCAN,
-        SCAN_STAGES=2 if BK <= 128 else 1,
+        SCAN_STAGES=SCAN_STAGES if BK <= 128 else 1,
     )
 
 
