@@ -23,7 +23,7 @@ from .intra_bwd_w import kda_intra_bwd_w_kernel
 from .intra_wu_fwd import kda_intra_wu_fwd_kernel
 from .output_fwd import kda_output_fwd_kernel
 from .recurrent_fwd import kda_recurrent_fwd_kernel
-from .state_bwd import kda_state_bwd_kernel
+from .state_bwd import kda_state_bwd_kernel, kda_state_bwd_prep_kernel
 from .state_fwd import kda_state_fwd_kernel
 
 BT = CHUNK_SIZE  # chunk length of the kernels = the chunk length of the saved states
@@ -219,9 +219,16 @@ def kda_bwd_triton(
     dh0 = torch.empty(B, HV, K, V, **f32)
     dht_arg = dht.contiguous() if dht is not None else dh0
     with record_function("kda_op::bwd::state_scan"):
+        kda_state_bwd_prep_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
+            x["qg"], x["w"], x["u"], aqk, chunk_states, do,
+            up, dup, dchunk_states,
+            T, NC,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
+            DOT_PREC=prec, num_warps=8,
+        )
         kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
-            x["qg"], x["kr"], x["w"], x["u"], gam, aqk, chunk_states, do, dht_arg,
-            up, dup, dchunk_states, dh0,
+            x["kr"], x["w"], gam, dht_arg,
+            dup, dchunk_states, dh0,
             T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
             HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],

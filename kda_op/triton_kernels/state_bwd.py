@@ -1,12 +1,17 @@
-"""Stage 1 of the backward: the reverse scan over chunks.
+"""Stage 1 of the backward: the reverse scan over chunks, and its parallel part.
 
-One program per (V block, batch * value head) carries dS [K, BV] (the grad of the
-state at the end of the current chunk) from the last chunk to the first. Per
-chunk it recomputes the residuals U' = U - W S0 from the saved chunk state, and
-writes them with
-  dU' = A_qk^T dO + (K * exp(Gam - gam)) dS_C,
-and dS_C itself; then dS0 = (Q * exp(gam))^T dO + exp(Gam) dS_C - W^T dU'.
-After the first chunk dS is the grad of the initial state.
+Per chunk, with S0 the saved state at its start and dS_C the grad of the state
+at its end:
+  U' = U - W S0                                  (the forward's residuals)
+  dU' = A_qk^T dO + Kr dS_C,                     Kr = K * exp(Gam - gam)
+  dS0 = exp(Gam) dS_C + Qg^T dO - W^T dU',       Qg = Q * scale * exp(gam)
+Everything but the terms with dS_C is independent across chunks:
+kda_state_bwd_prep_kernel (one program per chunk, batch * value head and V block)
+writes U', A_qk^T dO (into dU') and Qg^T dO (into the chunk's slot of the
+dchunk_states buffer). kda_state_bwd_kernel (one program per V block and batch *
+value head) then carries dS from the last chunk to the first with two dots a
+chunk, writing dU' and dS_C (over the slot it read); after the first chunk dS is
+the grad of the initial state.
 """
 
 from __future__ import annotations
@@ -18,9 +23,62 @@ from ._indexing import sequence_and_heads
 
 
 @triton.jit
+def kda_state_bwd_prep_kernel(
+    qg, w, u, aqk, chunk_states, do,
+    up, dup, dchunk_states,
+    T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_v = tl.program_id(2)
+    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    qg += (bos * HV + i_hv) * K
+    w += (bos * HV + i_hv) * K
+    u += (bos * HV + i_hv) * V
+    up += (bos * HV + i_hv) * V
+    dup += (bos * HV + i_hv) * V
+    do += (bos * HV + i_hv) * V
+    aqk += (bos * HV + i_hv) * BT
+    chunk_states += ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V
+    dchunk_states += ((i_b * NC + i_c) * HV + i_hv) * K * V
+
+    o_r = tl.arange(0, BT)
+    o_t = i_c * BT + o_r
+    m_t = o_t < T
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_tk = m_t[:, None] & m_k[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
+    row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
+    row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
+
+    b_s0 = tl.load(chunk_states + state_off, mask=m_kv, other=0.0)
+    b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_u = tl.load(u + row_v, mask=m_tv, other=0.0)
+    tl.store(up + row_v, b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC), mask=m_tv)
+
+    b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
+    b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
+                  mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
+    tl.store(dup + row_v, tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PREC), mask=m_tv)
+    b_qg = tl.load(qg + row_k, mask=m_tk, other=0.0).to(tl.float32)
+    tl.store(dchunk_states + state_off, tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC), mask=m_kv)
+
+
+@triton.jit
 def kda_state_bwd_kernel(
-    qg, kr, w, u, gam, aqk, chunk_states, do, dht,
-    up, dup, dchunk_states, dh0,
+    kr, w, gam, dht,
+    dup, dchunk_states, dh0,
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
@@ -33,18 +91,12 @@ def kda_state_bwd_kernel(
     bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
-    qg += (bos * HV + i_hv) * K
     kr += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
-    u += (bos * HV + i_hv) * V
-    up += (bos * HV + i_hv) * V
     dup += (bos * HV + i_hv) * V
-    do += (bos * HV + i_hv) * V
     gam += (bos_pad * HV + i_hv) * K
-    aqk += (bos * HV + i_hv) * BT
     dht += (i_b * HV + i_hv) * K * V
     dh0 += (i_b * HV + i_hv) * K * V
-    chunk_states += (i_b * (NC + 1) * HV + i_hv) * K * V
     dchunk_states += (i_b * NC * HV + i_hv) * K * V
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk to the next
 
@@ -63,33 +115,26 @@ def kda_state_bwd_kernel(
 
     for i_rev in range(NC):
         i_c = NC - 1 - i_rev
-        tl.store(dchunk_states + i_c * cs_stride + state_off, b_ds, mask=m_kv)
         o_t = i_c * BT + o_r
         m_t = o_t < T
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
+        p_ds = dchunk_states + i_c * cs_stride + state_off
 
-        b_s0 = tl.load(chunk_states + i_c * cs_stride + state_off, mask=m_kv, other=0.0)
-        b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_u = tl.load(u + row_v, mask=m_tv, other=0.0)
-        b_up = b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC)
-        tl.store(up + row_v, b_up, mask=m_tv)
-
+        # Qg^T dO from the prep kernel sits in the slot this chunk's dS_C goes to: use it
+        # (so a prefetched copy of it has landed) and pass a barrier before the store.
         b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds, mask=m_kv, other=0.0)
+        tl.debug_barrier()
+        tl.store(p_ds, b_ds, mask=m_kv)
+
         b_kr = tl.load(kr + row_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_qg = tl.load(qg + row_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
-                      mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
-        b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
-
-        b_dup = tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PREC)
-        b_dup += tl.dot(b_kr, b_ds, input_precision=DOT_PREC)
+        b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
+        # dU' = A_qk^T dO (from the prep kernel) + Kr dS_C
+        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0) + tl.dot(b_kr, b_ds, input_precision=DOT_PREC)
         tl.store(dup + row_v, b_dup, mask=m_tv)
-
-        b_ds = b_ds * tl.exp(b_glast)[:, None]
-        b_ds += tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC)
-        b_ds -= tl.dot(tl.trans(b_w), b_dup, input_precision=DOT_PREC)
+        b_ds = b_next - tl.dot(tl.trans(b_w), b_dup, input_precision=DOT_PREC)
 
     tl.store(dh0 + state_off, b_ds, mask=m_kv)
