@@ -26,7 +26,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >> "$LOG" 2>&1
 case "$PHASE" in
 tests)
     step "tests"
-    L=${TEST_LIMIT:-360}
+    L=${TEST_LIMIT:-330}
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$OUT/t1.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$OUT/t2.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py tests/test_fused_recurrent.py > "$OUT/t3.txt" 2>&1 &
@@ -35,7 +35,7 @@ tests)
     wait
     for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
     step "our kernels, B1-T8192-H16 (bench_kernels.py)"
-    timeout "${KERNELS_LIMIT:-240}" python3 benchmarks/bench_kernels.py >> "$LOG" 2>&1
+    timeout "${KERNELS_LIMIT:-220}" python3 benchmarks/bench_kernels.py >> "$LOG" 2>&1
     ;;
 bench)
     step "ours and fla, standard shapes"
