@@ -39,7 +39,7 @@ tests)
     ;;
 bench)
     step "ours and fla, standard shapes"
-    timeout "${BENCH_LIMIT:-300}" python3 benchmarks/bench_chunk_kda.py --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
+    timeout "${BENCH_LIMIT:-400}" python3 benchmarks/bench_chunk_kda.py --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     step "decode"
     timeout "${DECODE_LIMIT:-150}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" >> "$LOG" 2>&1
     if [ -n "${SWEEP:-}" ]; then
