@@ -125,7 +125,13 @@ def main() -> int:
         err_o = rel_err(outs["ours"][0], outs["fla"][0]) if "fla" in outs else nan
         err_h = rel_err(outs["ours"][1], outs["fla"][1]) if "fla" in outs else nan
         rows.append((name, res["ours"][0], fla_fwd, res["ours"][1], fla_fb, err_o, err_h))
+        write_table(rows, args, fla_version, csv_rows)  # after every shape: a time limit keeps what ran
+    if args.kernels:
+        print_kernel_breakdown(ours_chunk_kda)
+    return 0
 
+
+def write_table(rows, args, fla_version, csv_rows) -> None:
     header = ("| shape | fwd ours ms | fwd fla ms | fwd ours/fla | fwd+bwd ours ms | fwd+bwd fla ms "
               "| fwd+bwd ours/fla | rel diff o | rel diff final state |")
     lines = [header, "|" + "---|" * 9]
@@ -141,12 +147,9 @@ def main() -> int:
             f.write(f"# {meta}\n# python benchmarks/bench_chunk_kda.py --impl {args.impl} "
                     f"--seq-lens {' '.join(map(str, args.seq_lens))} --csv {args.csv}\n")
             f.write("shape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n" + "\n".join(csv_rows) + "\n")
-    if args.kernels:
-        print_kernel_breakdown(ours_chunk_kda)
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --impl {args.impl} --out {args.out}`\n\n{table}\n")
-    return 0
 
 
 if __name__ == "__main__":
