@@ -8,9 +8,9 @@ the partial dq, dk, d(gam) of intra_bwd.py and turns d(gam) into dg with a
 reverse cumulative sum over the chunk (the chunk's d(Gam) goes to every row).
 
 The chunks the forward split at their middle row (steep = 0, intra_a_fwd.py) go
-the same way back: four [BT, BT] x [BT, BKD] dots (kda_intra_bwd_a_kernel). The
-steep ones use the forward's sub-blocks and reference rows, in a separate launch
-(kda_intra_bwd_a_steep_kernel) so that the common kernel stays small.
+the same way back: four [BT, BT] x [BT, BKD] dots (STEEP = False). The steep ones
+use the forward's sub-blocks and reference rows, in a separate launch of the
+kernel compiled with STEEP = True, so that the common variant stays small.
 """
 
 from __future__ import annotations
@@ -28,74 +28,11 @@ def kda_intra_bwd_a_kernel(
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr,
-    BT: tl.constexpr, BKD: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_s = tl.program_id(2)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
-    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
-    q += (bos * H + i_h) * K
-    k += (bos * H + i_h) * K
-    gam += (bos_pad * HV + i_hv) * K
-    dakk += (bos * HV + i_hv) * BT
-    daqk += (bos * HV + i_hv) * BT
-    dq += (bos * HV + i_hv) * K
-    dk += (bos * HV + i_hv) * K
-    dg += (bos * HV + i_hv) * K
-    dgam += (bos * HV + i_hv) * K
-    dgam_last += ((i_b * NC + i_c) * HV + i_hv) * K
-    t0 = i_c * BT
-
-    o_s = i_s * BKD + tl.arange(0, BKD)
-    m_s = o_s < K
-    if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) == 0:
-        # Split at the middle row m as the forward did: every factor lies within
-        # exp(+-MAX_SPLIT); dA_kk and dA_qk are zero above their diagonals, so no
-        # overflowing product enters.
-        o_r = tl.arange(0, BT)
-        o_t = t0 + o_r
-        m_t = o_t < T
-        m_ts = m_t[:, None] & m_s[None, :]
-        b_g = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-        b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
-        b_dmid = b_g - b_gmid[None, :]
-        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-        p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
-        b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
-        b_dkk = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)
-        b_ep = tl.exp(b_dmid)
-        b_en = tl.exp(-b_dmid)
-        b_kn = b_k * b_en
-        b_tq = b_ep * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
-        b_tk = b_ep * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
-        b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_q * b_ep, input_precision=DOT_PREC)
-                        + tl.dot(tl.trans(b_dkk), b_k * b_ep, input_precision=DOT_PREC))
-        row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
-        b_dq = tl.load(dq + row_ts, mask=m_ts, other=0.0) + b_tq
-        b_dk = tl.load(dk + row_ts, mask=m_ts, other=0.0) + b_tk + b_tkj
-        b_dgam = tl.load(dgam + row_ts, mask=m_ts, other=0.0) + b_q * b_tq + b_k * (b_tk - b_tkj)
-        # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
-        b_dg = tl.cumsum(b_dgam, 0, reverse=True) + tl.load(dgam_last + o_s, mask=m_s, other=0.0)[None, :]
-        tl.store(dq + row_ts, b_dq, mask=m_ts)
-        tl.store(dk + row_ts, b_dk, mask=m_ts)
-        tl.store(dg + row_ts, b_dg.to(dg.dtype.element_ty), mask=m_ts)
-
-
-@triton.jit
-def kda_intra_bwd_a_steep_kernel(
-    q, k, gam, dakk, daqk, dgam_last, steep,
-    dq, dk, dgam, dg,
-    scale, T, NC,
-    H, HV,  # runtime: one compiled kernel serves every head count
-    K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
-    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
+    STEEP: tl.constexpr, DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
 ):
+    """STEEP = False: the chunks the forward split at their middle row (the others
+    return at once); STEEP = True: the steep ones, with sub-blocks."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_s = tl.program_id(2)
@@ -115,90 +52,124 @@ def kda_intra_bwd_a_steep_kernel(
     dgam_last += ((i_b * NC + i_c) * HV + i_hv) * K
     t0 = i_c * BT
 
-    o_c = tl.arange(0, BC)
-    causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
     o_s = i_s * BKD + tl.arange(0, BKD)
     m_s = o_s < K
-    if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) != 0:
-        b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
-        for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
-            o_i = t0 + i_i * BC + o_c
-            m_i = o_i < T
-            m_is = m_i[:, None] & m_s[None, :]
-            row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
-            b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
-            b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-            b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-            b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
-            b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
-            b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
-            b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
-            da_row = (o_i[:, None]) * (HV * BT)
+    if not STEEP:
+        if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) == 0:
+            # Split at the middle row m as the forward did: every factor lies within
+            # exp(+-MAX_SPLIT); dA_kk and dA_qk are zero above their diagonals, so no
+            # overflowing product enters.
+            o_r = tl.arange(0, BT)
+            o_t = t0 + o_r
+            m_t = o_t < T
+            m_ts = m_t[:, None] & m_s[None, :]
+            b_g = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+            b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+            b_dmid = b_g - b_gmid[None, :]
+            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+            p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
+            b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
+            b_dkk = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)
+            b_ep = tl.exp(b_dmid)
+            b_en = tl.exp(-b_dmid)
+            b_kn = b_k * b_en
+            b_tq = b_ep * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
+            b_tk = b_ep * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
+            b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_q * b_ep, input_precision=DOT_PREC)
+                            + tl.dot(tl.trans(b_dkk), b_k * b_ep, input_precision=DOT_PREC))
+            row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
+            b_dq = tl.load(dq + row_ts, mask=m_ts, other=0.0) + b_tq
+            b_dk = tl.load(dk + row_ts, mask=m_ts, other=0.0) + b_tk + b_tkj
+            b_dgam = tl.load(dgam + row_ts, mask=m_ts, other=0.0) + b_q * b_tq + b_k * (b_tk - b_tkj)
+            # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
+            b_dg = tl.cumsum(b_dgam, 0, reverse=True) + tl.load(dgam_last + o_s, mask=m_s, other=0.0)[None, :]
+            tl.store(dq + row_ts, b_dq, mask=m_ts)
+            tl.store(dk + row_ts, b_dk, mask=m_ts)
+            tl.store(dg + row_ts, b_dg.to(dg.dtype.element_ty), mask=m_ts)
+    else:
+        o_c = tl.arange(0, BC)
+        causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
+        if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) != 0:
+            b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
+            for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
+                o_i = t0 + i_i * BC + o_c
+                m_i = o_i < T
+                m_is = m_i[:, None] & m_s[None, :]
+                row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
+                b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+                b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+                b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
+                b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
+                b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
+                da_row = (o_i[:, None]) * (HV * BT)
 
-            # block i_i as the row block of (i_i, j), j < i_i; reference: first row of i_i
-            b_ai = tl.exp(b_gi - b_gr[None, :])
-            for i_j in tl.static_range(i_i):
-                o_j = t0 + i_j * BC + o_c
-                b_kj = tl.load(k + (o_j[:, None]) * (H * K) + o_s[None, :],
-                               mask=(o_j < T)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
-                b_gj = tl.load(gam + (o_j[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                b_kjb = b_kj * tl.exp(b_gr[None, :] - b_gj)
-                col = i_j * BC + o_c[None, :]
+                # block i_i as the row block of (i_i, j), j < i_i; reference: first row of i_i
+                b_ai = tl.exp(b_gi - b_gr[None, :])
+                for i_j in tl.static_range(i_i):
+                    o_j = t0 + i_j * BC + o_c
+                    b_kj = tl.load(k + (o_j[:, None]) * (H * K) + o_s[None, :],
+                                   mask=(o_j < T)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
+                    b_gj = tl.load(gam + (o_j[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                    b_kjb = b_kj * tl.exp(b_gr[None, :] - b_gj)
+                    col = i_j * BC + o_c[None, :]
+                    b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
+                    b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
+                    b_tq = b_ai * tl.dot(b_dqk, b_kjb, input_precision=DOT_PREC)
+                    b_tk = b_ai * tl.dot(b_dkk, b_kjb, input_precision=DOT_PREC)
+                    b_dqi += b_tq
+                    b_dki += b_tk
+                    b_dgi += b_qi * b_tq + b_ki * b_tk
+
+                # block i_i as the column block of (l, i_i), l > i_i; reference: first row of l
+                for i_l in tl.static_range(i_i + 1, BT // BC):
+                    o_l = t0 + i_l * BC + o_c
+                    m_l = o_l < T
+                    m_ls = m_l[:, None] & m_s[None, :]
+                    b_ql = tl.load(q + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32) * scale
+                    b_kl = tl.load(k + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32)
+                    b_gl = tl.load(gam + (o_l[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                    b_grl = tl.load(gam + (t0 + i_l * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    b_al = tl.exp(b_gl - b_grl[None, :])
+                    b_bi = tl.exp(b_grl[None, :] - b_gi)
+                    da_l = (o_l[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
+                    b_dqk = tl.load(daqk + da_l, mask=m_l[:, None], other=0.0)
+                    b_dkk = tl.load(dakk + da_l, mask=m_l[:, None], other=0.0)
+                    b_tk = tl.dot(tl.trans(b_dqk), b_ql * b_al, input_precision=DOT_PREC)
+                    b_tk += tl.dot(tl.trans(b_dkk), b_kl * b_al, input_precision=DOT_PREC)
+                    b_tk = b_bi * b_tk
+                    b_dki += b_tk
+                    b_dgi -= b_ki * b_tk
+
+                # diagonal block: split at its middle row m when the gates allow (as in
+                # intra_a_fwd.py): exp(gam_i - gam_j) = exp(gam_i - gam_m) exp(gam_m - gam_j)
+                col = i_i * BC + o_c[None, :]
                 b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
                 b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
-                b_tq = b_ai * tl.dot(b_dqk, b_kjb, input_precision=DOT_PREC)
-                b_tk = b_ai * tl.dot(b_dkk, b_kjb, input_precision=DOT_PREC)
+                b_gm = tl.load(gam + (t0 + i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                b_gd = b_gi - b_gm[None, :]
+                if tl.max(tl.max(tl.abs(b_gd), 1), 0) <= MAX_SPLIT:
+                    b_em = tl.exp(b_gd)
+                    b_en = tl.exp(-b_gd)
+                    b_kn = b_ki * b_en
+                    b_tq = b_em * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
+                    b_tk = b_em * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
+                    b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_qi * b_em, input_precision=DOT_PREC)
+                                    + tl.dot(tl.trans(b_dkk), b_ki * b_em, input_precision=DOT_PREC))
+                else:  # steep gates: exact exp(gam_i - gam_j) per pair
+                    b_e = tl.exp(tl.where(causal, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
+                    b_tq = tl.sum(b_dqk[:, :, None] * b_ki[None, :, :] * b_e, 1)
+                    b_tk = tl.sum(b_dkk[:, :, None] * b_ki[None, :, :] * b_e, 1)
+                    b_tkj = tl.sum((b_dqk[:, :, None] * b_qi[:, None, :] + b_dkk[:, :, None] * b_ki[:, None, :]) * b_e, 0)
                 b_dqi += b_tq
-                b_dki += b_tk
-                b_dgi += b_qi * b_tq + b_ki * b_tk
+                b_dki += b_tk + b_tkj
+                b_dgi += b_qi * b_tq + b_ki * b_tk - b_ki * b_tkj
 
-            # block i_i as the column block of (l, i_i), l > i_i; reference: first row of l
-            for i_l in tl.static_range(i_i + 1, BT // BC):
-                o_l = t0 + i_l * BC + o_c
-                m_l = o_l < T
-                m_ls = m_l[:, None] & m_s[None, :]
-                b_ql = tl.load(q + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32) * scale
-                b_kl = tl.load(k + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32)
-                b_gl = tl.load(gam + (o_l[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                b_grl = tl.load(gam + (t0 + i_l * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
-                b_al = tl.exp(b_gl - b_grl[None, :])
-                b_bi = tl.exp(b_grl[None, :] - b_gi)
-                da_l = (o_l[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
-                b_dqk = tl.load(daqk + da_l, mask=m_l[:, None], other=0.0)
-                b_dkk = tl.load(dakk + da_l, mask=m_l[:, None], other=0.0)
-                b_tk = tl.dot(tl.trans(b_dqk), b_ql * b_al, input_precision=DOT_PREC)
-                b_tk += tl.dot(tl.trans(b_dkk), b_kl * b_al, input_precision=DOT_PREC)
-                b_tk = b_bi * b_tk
-                b_dki += b_tk
-                b_dgi -= b_ki * b_tk
-
-            # diagonal block: split at its middle row m when the gates allow (as in
-            # intra_a_fwd.py): exp(gam_i - gam_j) = exp(gam_i - gam_m) exp(gam_m - gam_j)
-            col = i_i * BC + o_c[None, :]
-            b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
-            b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
-            b_gm = tl.load(gam + (t0 + i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
-            b_gd = b_gi - b_gm[None, :]
-            if tl.max(tl.max(tl.abs(b_gd), 1), 0) <= MAX_SPLIT:
-                b_em = tl.exp(b_gd)
-                b_en = tl.exp(-b_gd)
-                b_kn = b_ki * b_en
-                b_tq = b_em * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
-                b_tk = b_em * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
-                b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_qi * b_em, input_precision=DOT_PREC)
-                                + tl.dot(tl.trans(b_dkk), b_ki * b_em, input_precision=DOT_PREC))
-            else:  # steep gates: exact exp(gam_i - gam_j) per pair
-                b_e = tl.exp(tl.where(causal, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
-                b_tq = tl.sum(b_dqk[:, :, None] * b_ki[None, :, :] * b_e, 1)
-                b_tk = tl.sum(b_dkk[:, :, None] * b_ki[None, :, :] * b_e, 1)
-                b_tkj = tl.sum((b_dqk[:, :, None] * b_qi[:, None, :] + b_dkk[:, :, None] * b_ki[:, None, :]) * b_e, 0)
-            b_dqi += b_tq
-            b_dki += b_tk + b_tkj
-            b_dgi += b_qi * b_tq + b_ki * b_tk - b_ki * b_tkj
-
-            # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
-            b_dgt = tl.cumsum(b_dgi, 0, reverse=True) + b_carry[None, :]
-            b_carry += tl.sum(b_dgi, 0)
-            tl.store(dq + row_is, b_dqi, mask=m_is)
-            tl.store(dk + row_is, b_dki, mask=m_is)
-            tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)
+                # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
+                b_dgt = tl.cumsum(b_dgi, 0, reverse=True) + b_carry[None, :]
+                b_carry += tl.sum(b_dgi, 0)
+                tl.store(dq + row_is, b_dqi, mask=m_is)
+                tl.store(dk + row_is, b_dki, mask=m_is)
+                tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)

@@ -18,7 +18,7 @@ from torch.profiler import record_function
 from .._contract import CHUNK_SIZE
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
-from .intra_bwd_a import kda_intra_bwd_a_kernel, kda_intra_bwd_a_steep_kernel
+from .intra_bwd_a import kda_intra_bwd_a_kernel
 from .intra_bwd_w import kda_intra_bwd_w_kernel
 from .intra_wu_fwd import kda_intra_wu_fwd_kernel
 from .output_fwd import kda_output_fwd_kernel
@@ -264,14 +264,13 @@ def kda_bwd_triton(
             DOT_PREC=prec, num_warps=INTRA_BWD_WARPS,
         )
     with record_function("kda_op::bwd::intra_through_a"):
-        common = dict(H=H, HV=HV, K=K, BT=BT, DOT_PREC=prec)
+        common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
+        args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, scale, T, NC)
         kda_intra_bwd_a_kernel[(NC, B * HV, triton.cdiv(K, BKD_A))](
-            q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, scale, T, NC,
-            **common, BKD=BKD_A, num_warps=INTRA_BWD_A_WARPS,
+            *args, **common, BKD=BKD_A, STEEP=False, num_warps=INTRA_BWD_A_WARPS,
         )
-        kda_intra_bwd_a_steep_kernel[(NC, B * HV, triton.cdiv(K, BKD))](
-            q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, scale, T, NC,
-            **common, BC=BC, BKD=BKD, MAX_SPLIT=MAX_SPLIT, num_warps=4,
+        kda_intra_bwd_a_kernel[(NC, B * HV, triton.cdiv(K, BKD))](
+            *args, **common, BKD=BKD, STEEP=True, num_warps=4,
         )
     with record_function("kda_op::bwd::gva_reduce"):
         # GVA: sum the G value heads of each key head; q entered the kernels scaled.
