@@ -90,7 +90,8 @@ def test_too_long_a_sequence_is_refused_not_wrapped():
         _check_offsets(2**20, 32, 128, 128)  # 2^32: 32-bit offsets would wrap
 
 
-def test_triton_every_path_of_the_intra_chunk_kernels():
+@pytest.mark.parametrize("T_cut", [0, 19])  # 19: the steep chunk is also the partial last one
+def test_triton_every_path_of_the_intra_chunk_kernels(T_cut):
     """The intra-chunk kernels split exp(gam_i - gam_j) at a middle row only while
     every factor stays within exp(MAX_SPLIT): over the whole chunk, else over each
     sub-block of 16 rows, else they form each pair exactly. Three chunks, one per
@@ -98,9 +99,9 @@ def test_triton_every_path_of_the_intra_chunk_kernels():
     spikes (32 rows: 96 > 60; 8 rows: 24 + 20 <= 60), and -9 (8 rows: 72 > 60)."""
     from kda_op.triton_kernels.launch import MAX_SPLIT
 
-    B, T, H, G, K, V = 1, 3 * CHUNK_SIZE, 1, 2, 16, 16
+    B, T, H, G, K, V = 1, 3 * CHUNK_SIZE - T_cut, 1, 2, 16, 16
     C = CHUNK_SIZE
-    inputs = _inputs(B, T, H, G, K, V, True, seed=11)
+    inputs = _inputs(B, T, H, G, K, V, True, seed=11 + T_cut)
     g = inputs["g"].clone()
     jitter = 0.5 * torch.rand(g[:, C:].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     g[:, C:] = jitter
