@@ -17,10 +17,10 @@ exp(+-MAX_SPLIT) (fp32 overflows past exp(88)): then both A's are two
 [BT, K] x [K, BT] dots whose kept entries (i >= j) are exact; the entries above
 the diagonal may overflow and are dropped. Otherwise it marks the chunk steep and
 kda_intra_a_fwd_steep_kernel, a separate launch so that the common kernel stays
-small, forms the A's from sub-blocks of BC rows: an off-diagonal block (I > J)
-uses the first row r of block I as reference, so both exp(gam_i - gam_r) and
-exp(gam_r - gam_j) are <= 1 for a decaying gate; a diagonal block splits at its
-own middle row when that block allows, and otherwise forms each pair exactly.
+small, forms the A's row block by row block (BC rows), over K slices: the columns
+before block I use its first row r as reference, so both exp(gam_i - gam_r) and
+exp(gam_r - gam_j) are <= 1 for a decaying gate; the diagonal block splits at its
+own middle row where the slice allows, and otherwise forms each pair exactly.
 """
 
 from __future__ import annotations
