@@ -44,12 +44,9 @@ def _rel_close(got, want, name):
     torch.testing.assert_close(got.cpu(), want.cpu(), **FP32_TOL, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("B,T,H,G,K,V,with_h0,with_dht", SHAPES)
-def test_triton_forward_and_backward_match_reference(B, T, H, G, K, V, with_h0, with_dht):
-    inputs = _inputs(B, T, H, G, K, V, with_h0, seed=T)
-    args = [inputs[n] for n in NAMES]
-    h0 = inputs["initial_state"]
-
+def _check_fwd_bwd(args, h0, with_dht, seed):
+    """Forward and backward of the Triton kernels against the fp32 reference: o,
+    final state, chunk states and the six grads (dtype, shape, finite, close)."""
     o, ht, cs = kda_fwd_triton(*args, None, h0)
     o_ref, ht_ref, cs_ref = kda_forward_reference(*args, None, h0)
     assert o.shape == o_ref.shape and cs.shape == cs_ref.shape
@@ -57,14 +54,21 @@ def test_triton_forward_and_backward_match_reference(B, T, H, G, K, V, with_h0, 
     _rel_close(ht, ht_ref, "final_state")
     _rel_close(cs, cs_ref, "chunk_states")
 
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     do = torch.randn(o.shape, generator=gen).to(DEVICE)
     dht = torch.randn(ht.shape, generator=gen).to(DEVICE) if with_dht else None
     grads = kda_bwd_triton(*args, None, h0, cs_ref, do, dht)
     grads_ref = kda_backward_reference(*args, None, h0, cs_ref, do, dht)
     for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
         assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.isfinite(got).all(), name
         _rel_close(got, want, name)
+
+
+@pytest.mark.parametrize("B,T,H,G,K,V,with_h0,with_dht", SHAPES)
+def test_triton_forward_and_backward_match_reference(B, T, H, G, K, V, with_h0, with_dht):
+    inputs = _inputs(B, T, H, G, K, V, with_h0, seed=T)
+    _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], with_dht, seed=7)
 
 
 def test_triton_explicit_scale_and_empty_sequence():
@@ -111,20 +115,7 @@ def test_triton_every_path_of_the_intra_chunk_kernels(T_cut):
     g[:, 2 * C:] -= 9.0
     assert 32 * 2.5 > MAX_SPLIT and 8 * 3 + 20 <= MAX_SPLIT and 8 * 8.5 > MAX_SPLIT
     inputs["g"] = g
-    args = [inputs[n] for n in NAMES]
-    h0 = inputs["initial_state"]
-    o, ht, cs = kda_fwd_triton(*args, None, h0)
-    o_ref, ht_ref, cs_ref = kda_forward_reference(*args, None, h0)
-    _rel_close(o, o_ref, "o")
-    _rel_close(ht, ht_ref, "final_state")
-    gen = torch.Generator().manual_seed(8)
-    do = torch.randn(o.shape, generator=gen).to(DEVICE)
-    dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
-    grads = kda_bwd_triton(*args, None, h0, cs_ref, do, dht)
-    grads_ref = kda_backward_reference(*args, None, h0, cs_ref, do, dht)
-    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
-        assert torch.isfinite(got).all(), name
-        _rel_close(got, want, name)
+    _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=8)
 
 
 def test_triton_bf16_inputs_match_reference():

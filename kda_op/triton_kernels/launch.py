@@ -41,7 +41,8 @@ INTRA_BWD_WARPS = 8
 INTRA_BWD_A_WARPS = 4
 # K slices of the forward's A's (intra_a_fwd.py): bounded shared memory at any K
 BKA = 64
-# K slices of the backward through the states and W (intra_bwd_w.py)
+# K slices of the backward through the states and W (intra_bwd_w.py) and of the
+# forward's steep path (intra_a_fwd.py)
 BKS = 32
 # K slices of the backward through the A's, one program each: BKD_A on the
 # common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
@@ -147,10 +148,6 @@ def kda_fwd_triton(
     h0 = None if initial_state is None else initial_state.contiguous()
 
     chunk_states = torch.empty(B, NC + 1, HV, K, V, **f32)
-    ht = torch.empty(B, HV, K, V, **f32)
-    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    if B * HV == 0:
-        return o, ht, chunk_states
     if 0 < T <= RECURRENT_MAX_T:
         with record_function("kda_op::fwd::recurrent"):
             o, ht = kda_recurrent_fwd_triton(q, k, v, g, beta, scale, h0)
@@ -159,6 +156,10 @@ def kda_fwd_triton(
         else:
             chunk_states[:, 0].copy_(h0)
         chunk_states[:, 1].copy_(ht)
+        return o, ht, chunk_states
+    ht = torch.empty(B, HV, K, V, **f32)
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    if B * HV == 0:
         return o, ht, chunk_states
     prec = _dot_precision(q.dtype)
     if NC > 0:
