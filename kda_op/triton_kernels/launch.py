@@ -33,11 +33,14 @@ BC = 16  # sub-block length inside a chunk, on its steep path (intra_a_fwd.py)
 MAX_SPLIT = 60.0
 # Warps per program of the intra-chunk kernels. These and the other upper-case
 # settings here are module-level so that benchmarks/bench_kernels.py can time
-# (and check) other values.
-INTRA_A_FWD_WARPS = 8
-INTRA_WU_FWD_WARPS = 8
-INTRA_BWD_W_WARPS = 8
-INTRA_BWD_WARPS = 8
+# (and check) other values. Four warps where the H200 measured them faster than
+# eight (bench_kernels.py, B1-T8192-H16 bf16, 2026-11-30, ms per call, 8 -> 4):
+# intra_a_fwd 0.65 -> 0.41, intra_wu_fwd 1.11 -> 0.72, intra_bwd_w 0.87 -> 0.59,
+# intra_bwd 0.27 -> 0.26; intra_bwd_a 0.44 at 4, 0.46 at 8.
+INTRA_A_FWD_WARPS = 4
+INTRA_WU_FWD_WARPS = 4
+INTRA_BWD_W_WARPS = 4
+INTRA_BWD_WARPS = 4
 INTRA_BWD_A_WARPS = 4
 # K slices of the forward's A's (intra_a_fwd.py): bounded shared memory at any K
 BKA = 64
@@ -75,6 +78,20 @@ def _dot_precision(dtype: torch.dtype) -> str:
     # cores. bf16/fp16 inputs: plain TF32 (10-bit mantissa) is already finer than
     # the inputs and outputs.
     return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+# The steep-path kernels (kda_intra_a_fwd_steep_kernel, kda_intra_bwd_a_kernel with
+# STEEP) on fp32 inputs use IEEE fp32 dots. Measured on the H200 (triton 3.6,
+# strong-decay inputs of tests/test_cuda.py, every chunk forced steep): 3xTF32
+# gave exactly the errors of plain TF32 there (o 3.8e-2 relative to the fp64
+# reference, A_kk 1.3), IEEE 3.6e-7; the interpreter 3e-7. Steep chunks are rare,
+# so the slower FMA dots cost little. bf16/fp16 inputs keep TF32 (errors 2e-3,
+# the level of bf16 outputs).
+STEEP_DOT_PREC_FP32 = "ieee"
+
+
+def _steep_dot_precision(dtype: torch.dtype) -> str:
+    return STEEP_DOT_PREC_FP32 if dtype == torch.float32 else _dot_precision(dtype)
 
 
 def _check_offsets(T: int, HV: int, K: int, V: int) -> None:
@@ -125,7 +142,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, num_warps=INTRA_A_FWD_WARPS,
     )
     kda_intra_a_fwd_steep_kernel[(NC, B * HV)](
-        q, k, gam, akk, aqk, steep, scale, T, NC, **common, BC=BC, BKS=BKS, num_warps=4,
+        q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
+        BC=BC, BKS=BKS, num_warps=4,
     )
     kda_intra_wu_fwd_kernel[(NC, B * HV)](
         k, v, beta, gam, akk, w, u, tm, T, NC,
@@ -271,7 +289,7 @@ def kda_bwd_triton(
             *args, **common, BKD=BKD_A, STEEP=False, num_warps=INTRA_BWD_A_WARPS,
         )
         kda_intra_bwd_a_kernel[(NC, B * HV, triton.cdiv(K, BKD))](
-            *args, **common, BKD=BKD, STEEP=True, num_warps=4,
+            *args, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))), BKD=BKD, STEEP=True, num_warps=4,
         )
     with record_function("kda_op::bwd::gva_reduce"):
         # GVA: sum the G value heads of each key head; q entered the kernels scaled.
