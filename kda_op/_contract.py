@@ -39,3 +39,64 @@ def num_chunk_boundaries(seq_len, chunk_size: int = CHUNK_SIZE):
     be 1 (like the chunk count alone) makes it guard on that size and recompile
     once T crosses one chunk."""
     return num_chunks(seq_len, chunk_size) + 1
+
+
+def chunked_kernels_serve(device_type: str, input_dtype: torch.dtype) -> bool:
+    """Whether the chunked Triton kernels serve these inputs (else the einsum
+    reference does): CUDA, and not fp64 (the kernels keep the state in fp32)."""
+    return device_type == "cuda" and input_dtype != torch.float64
+
+
+def scan_operand_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """dtype of W, Qg and Kr, which the CUDA scans and output kernel read once per
+    chunk: bf16 for bf16 inputs (half the bytes, the range of fp32; the dots
+    still run in TF32 on the upcast values), fp32 otherwise (fp16's range is too
+    narrow for W = Tm diag(beta) K exp(gam))."""
+    return torch.bfloat16 if input_dtype == torch.bfloat16 else torch.float32
+
+
+def _round_up(nbytes, multiple: int = 256):
+    return (nbytes + multiple - 1) // multiple * multiple
+
+
+def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: str):
+    """Where the chunked CUDA forward keeps its intra-chunk quantities for the
+    backward (``chunk_kda_fwd(..., keep_intermediates=True)``), inside one flat
+    uint8 tensor: a list of ``(name, shape, dtype, byte offset)`` and the total
+    number of bytes. Each piece starts on a 256-byte boundary. Empty (0 bytes)
+    where the reference serves the op, which keeps none. Sizes may be symbolic.
+
+      gam  [B, NC*C, HV, K] fp32   cumulative log decay in each chunk (padded rows)
+      akk, aqk, tm  [B, T, HV, C] fp32   the chunk's A_kk, A_qk and (I + diag(beta) A_kk)^-1
+      u    [B, T, HV, V] fp32      Tm diag(beta) V
+      qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
+      steep [B, NC, HV] int32      which chunks took the steep path
+    """
+    if not chunked_kernels_serve(device_type, input_dtype):
+        return [], 0
+    NC = num_chunks(T)
+    C = CHUNK_SIZE
+    operand = scan_operand_dtype(input_dtype)
+    pieces = [
+        ("gam", (B, NC * C, HV, K), torch.float32),
+        ("akk", (B, T, HV, C), torch.float32),
+        ("aqk", (B, T, HV, C), torch.float32),
+        ("tm", (B, T, HV, C), torch.float32),
+        ("u", (B, T, HV, V), torch.float32),
+        ("qg", (B, T, HV, K), operand),
+        ("kr", (B, T, HV, K), operand),
+        ("w", (B, T, HV, K), operand),
+        ("steep", (B, NC, HV), torch.int32),
+    ]
+    layout, offset = [], 0
+    for name, shape, dtype in pieces:
+        layout.append((name, shape, dtype, offset))
+        offset = offset + _round_up(_numel(shape) * dtype.itemsize)
+    return layout, offset
+
+
+def _numel(shape):
+    n = 1
+    for s in shape:
+        n = n * s
+    return n

@@ -21,6 +21,7 @@ def chunk_kda(
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
+    recompute_in_backward: bool = False,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Kimi Delta Attention: a gated delta rule with a per-channel decay.
 
@@ -41,6 +42,11 @@ def chunk_kda(
         initial_state: ``[B, HV, K, V]`` state before the first token, or ``None``
             for zeros.
         output_final_state: whether to return the state after the last token.
+        recompute_in_backward: on CUDA, when a backward will follow, the forward
+            keeps its intra-chunk quantities for it (about 2.6 KB per token and
+            value head at K = V = 128 with bf16 inputs, until the backward runs);
+            ``True`` keeps none and the backward recomputes them: less memory,
+            a slower backward. No effect without grad or on the CPU reference.
 
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in the dtype of ``v``;
@@ -62,8 +68,14 @@ def chunk_kda(
             or tensors on different devices.
     """
     check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state)
-    o, final_state, _ = torch.ops.kda_op.chunk_kda_fwd(
-        q, k, v, g, beta, None if scale is None else float(scale), initial_state
+    if not isinstance(recompute_in_backward, bool):
+        raise TypeError(f"recompute_in_backward must be a bool, got {type(recompute_in_backward).__name__}")
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
+    )
+    o, final_state, _, _ = torch.ops.kda_op.chunk_kda_fwd(
+        q, k, v, g, beta, None if scale is None else float(scale), initial_state,
+        needs_grad and not recompute_in_backward,
     )
     return o, (final_state if output_final_state else None)
 

@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ._contract import chunked_kernels_serve
 from .reference import kda_backward_reference, kda_forward_reference
 
 NAMESPACE = "kda_op"
@@ -30,12 +31,18 @@ def chunk_kda_fwd(
     beta: Tensor,
     scale: Optional[float],
     initial_state: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor]:
+    keep_intermediates: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """KDA forward. Returns ``(o [B,T,HV,V], final_state [B,HV,K,V],
-    chunk_states [B,NC+1,HV,K,V])``; ``chunk_states`` holds the state at every
-    boundary of the NC chunks of ``CHUNK_SIZE`` tokens (the final state last) and
-    exists for the backward."""
-    return kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+    chunk_states [B,NC+1,HV,K,V], intermediates [N] uint8)``; ``chunk_states``
+    holds the state at every boundary of the NC chunks of ``CHUNK_SIZE`` tokens
+    (the final state last) and exists for the backward. With
+    ``keep_intermediates`` the chunked CUDA kernels also keep their intra-chunk
+    quantities in ``intermediates`` (layout: ``kda_op._contract.
+    intermediates_layout``) so that the backward need not recompute them; it is
+    empty otherwise, and always on the reference (CPU, fp64)."""
+    o, final_state, chunk_states = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+    return o, final_state, chunk_states, q.new_empty((0,), dtype=torch.uint8)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::chunk_kda_bwd", mutates_args=(), device_types="cpu")
@@ -50,28 +57,31 @@ def chunk_kda_bwd(
     chunk_states: Tensor,
     do: Tensor,
     dht: Optional[Tensor],
+    intermediates: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """KDA backward from the grads of o (``do``) and of the final state (``dht``,
     ``None`` for zero). Returns ``(dq, dk, dv, dg, dbeta, dh0)``; dq and dk are
-    already reduced from the HV value heads to the H key heads."""
+    already reduced from the HV value heads to the H key heads. ``intermediates``:
+    what ``chunk_kda_fwd`` kept (the CUDA kernels then skip their recompute);
+    ``None`` or empty to recompute."""
     return kda_backward_reference(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht)
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, scale, initial_state = inputs
-    _, _, chunk_states = output
+    q, k, v, g, beta, scale, initial_state, _keep_intermediates = inputs
+    _, _, chunk_states, intermediates = output
     ctx.scale = scale
     ctx.has_initial_state = initial_state is not None
-    ctx.mark_non_differentiable(chunk_states)
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, chunk_states)
+    ctx.mark_non_differentiable(chunk_states, intermediates)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, chunk_states, intermediates)
 
 
-def _backward(ctx, do: Tensor, dht: Tensor, _dchunk_states: Tensor):
-    q, k, v, g, beta, initial_state, chunk_states = ctx.saved_tensors
+def _backward(ctx, do: Tensor, dht: Tensor, _dchunk_states: Tensor, _dintermediates: Tensor):
+    q, k, v, g, beta, initial_state, chunk_states, intermediates = ctx.saved_tensors
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.kda_op.chunk_kda_bwd(
-        q, k, v, g, beta, ctx.scale, initial_state, chunk_states, do, dht
+        q, k, v, g, beta, ctx.scale, initial_state, chunk_states, do, dht, intermediates
     )
-    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None)
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None), None
 
 
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -81,21 +91,22 @@ chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
 # so that importing kda_op needs no triton. fp64 inputs, which the Triton kernels
 # (fp32 state) do not serve, run the einsum reference on the GPU: exact, slow.
 @chunk_kda_fwd.register_kernel("cuda")
-def _chunk_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state):
-    if q.dtype == torch.float64:
-        return kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+def _chunk_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state, keep_intermediates=False):
+    if not chunked_kernels_serve(q.device.type, q.dtype):
+        o, final_state, chunk_states = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+        return o, final_state, chunk_states, q.new_empty((0,), dtype=torch.uint8)
     from .triton_kernels import kda_fwd_triton
 
-    return kda_fwd_triton(q, k, v, g, beta, scale, initial_state)
+    return kda_fwd_triton(q, k, v, g, beta, scale, initial_state, keep_intermediates)
 
 
 @chunk_kda_bwd.register_kernel("cuda")
-def _chunk_kda_bwd_cuda(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht):
-    if q.dtype == torch.float64:
+def _chunk_kda_bwd_cuda(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates=None):
+    if not chunked_kernels_serve(q.device.type, q.dtype):
         return kda_backward_reference(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht)
     from .triton_kernels import kda_bwd_triton
 
-    return kda_bwd_triton(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht)
+    return kda_bwd_triton(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::fused_recurrent_kda_fwd", mutates_args=(), device_types="cpu")
@@ -135,9 +146,11 @@ def _recurrent_backward(ctx, do: Tensor, dht: Tensor):
     # Decoding rarely needs grads: rather than make every decode step write chunk
     # states, the backward recomputes them with the chunked forward.
     q, k, v, g, beta, initial_state = ctx.saved_tensors
-    _, _, chunk_states = torch.ops.kda_op.chunk_kda_fwd(q, k, v, g, beta, ctx.scale, initial_state)
+    _, _, chunk_states, intermediates = torch.ops.kda_op.chunk_kda_fwd(
+        q, k, v, g, beta, ctx.scale, initial_state, True
+    )
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.kda_op.chunk_kda_bwd(
-        q, k, v, g, beta, ctx.scale, initial_state, chunk_states, do, dht
+        q, k, v, g, beta, ctx.scale, initial_state, chunk_states, do, dht, intermediates
     )
     return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None)
 

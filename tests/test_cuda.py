@@ -152,7 +152,7 @@ def test_cuda_backward_memory_is_per_chunk():
     def peak(T):
         inputs = _cuda_inputs(1, T, 2, 2, K, V, torch.bfloat16, seed=T)
         args = [inputs[n] for n in NAMES[:5]]
-        o, ht, cs = torch.ops.kda_op.chunk_kda_fwd(*args, None, inputs["initial_state"])
+        o, ht, cs, _ = torch.ops.kda_op.chunk_kda_fwd(*args, None, inputs["initial_state"])
         do, dht = torch.randn_like(o), torch.randn_like(ht)
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()
@@ -170,17 +170,21 @@ def test_cuda_backward_memory_is_per_chunk():
 OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("with_h0", [True, False])
-def test_cuda_opcheck(with_h0):
+@pytest.mark.parametrize("with_h0,keep", [(True, False), (False, False), (True, True)])
+def test_cuda_opcheck(with_h0, keep):
+    """opcheck of both ops on CUDA; with keep_intermediates the fake kernel's size
+    of the kept buffer must match the kernels', and the backward takes it."""
     inputs = _cuda_inputs(2, CHUNK_SIZE + 3, 2, 2, 128, 128, torch.bfloat16, seed=9, with_h0=with_h0)
     for x in inputs.values():
         if x is not None:
             x.requires_grad_(True)
-    args = tuple(inputs[n] for n in NAMES[:5]) + (None, inputs["initial_state"])
+    args = tuple(inputs[n] for n in NAMES[:5]) + (None, inputs["initial_state"], keep)
     torch.library.opcheck(torch.ops.kda_op.chunk_kda_fwd.default, args, test_utils=OPCHECK_UTILS)
     with torch.no_grad():
-        o, ht, cs = torch.ops.kda_op.chunk_kda_fwd(*args)
-    bwd_args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args) + (cs, torch.randn_like(o), torch.randn_like(ht))
+        o, ht, cs, kept = torch.ops.kda_op.chunk_kda_fwd(*args)
+    assert (kept.numel() > 0) == keep
+    bwd_args = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in args[:-1]) + (
+        cs, torch.randn_like(o), torch.randn_like(ht), kept)
     torch.library.opcheck(torch.ops.kda_op.chunk_kda_bwd.default, bwd_args, test_utils=OPCHECK_UTILS)
 
 

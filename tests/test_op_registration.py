@@ -43,6 +43,10 @@ def test_opcheck_forward(with_initial_state, dtype):
     )
     torch.library.opcheck(torch.ops.kda_op.chunk_kda_fwd.default, _fwd_args(inputs), test_utils=OPCHECK_UTILS)
     torch.library.opcheck(torch.ops.kda_op.chunk_kda_fwd.default, _fwd_args(inputs, 0.25), test_utils=OPCHECK_UTILS)
+    # keep_intermediates: the reference keeps none, and the fake kernel says so
+    keep_args = _fwd_args(inputs) + (True,)
+    torch.library.opcheck(torch.ops.kda_op.chunk_kda_fwd.default, keep_args, test_utils=OPCHECK_UTILS)
+    assert torch.ops.kda_op.chunk_kda_fwd(*keep_args)[3].shape == (0,)
 
 
 @pytest.mark.parametrize("with_initial_state", [True, False])
@@ -52,7 +56,7 @@ def test_opcheck_backward(with_initial_state, with_dht):
         B=2, T=CHUNK_SIZE + 3, H=2, G=2, K=8, V=4, dtype=torch.float32,
         with_initial_state=with_initial_state,
     )
-    o, ht, chunk_states = torch.ops.kda_op.chunk_kda_fwd(*_fwd_args(inputs))
+    o, ht, chunk_states, _ = torch.ops.kda_op.chunk_kda_fwd(*_fwd_args(inputs))
     assert chunk_states.shape == (2, 3, 4, 8, 4)  # two chunks: three boundaries
     do = torch.randn_like(o)
     dht = torch.randn_like(ht) if with_dht else None

@@ -11,6 +11,7 @@ import torch
 
 from inputs import make_inputs
 from kda_op import CHUNK_SIZE
+from kda_op._contract import intermediates_layout
 from kda_op.reference import kda_backward_reference, kda_forward_reference
 
 triton = pytest.importorskip("triton")
@@ -46,8 +47,12 @@ def _rel_close(got, want, name):
 
 def _check_fwd_bwd(args, h0, with_dht, seed):
     """Forward and backward of the Triton kernels against the fp32 reference: o,
-    final state, chunk states and the six grads (dtype, shape, finite, close)."""
-    o, ht, cs = kda_fwd_triton(*args, None, h0)
+    final state, chunk states and the six grads (dtype, shape, finite, close).
+    The forward that keeps its intermediates, and the backward from them, give
+    bitwise what the plain forward (where it is chunked too) and the recomputing
+    backward give."""
+    o, ht, cs, none_kept = kda_fwd_triton(*args, None, h0)
+    assert none_kept.numel() == 0
     o_ref, ht_ref, cs_ref = kda_forward_reference(*args, None, h0)
     assert o.shape == o_ref.shape and cs.shape == cs_ref.shape
     _rel_close(o, o_ref, "o")
@@ -64,6 +69,23 @@ def _check_fwd_bwd(args, h0, with_dht, seed):
         assert torch.isfinite(got).all(), name
         _rel_close(got, want, name)
 
+    *kept_outputs, kept = kda_fwd_triton(*args, None, h0, keep_intermediates=True)
+    B, T, _, K = args[0].shape
+    HV, V = args[2].shape[2:]
+    assert kept.dtype == torch.uint8
+    assert kept.numel() == intermediates_layout(B, T, HV, K, V, args[0].dtype, "cuda")[1]
+    from kda_op.triton_kernels import launch
+
+    routed = T <= launch.RECURRENT_MAX_T  # the plain forward took the recurrent kernel
+    for name, got, want in zip(("o", "final_state", "chunk_states"), kept_outputs, (o, ht, cs)):
+        if routed:
+            _rel_close(got, want, name)
+        else:
+            assert torch.equal(got, want), name
+    kept_grads = kda_bwd_triton(*args, None, h0, cs_ref, do, dht, kept)
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), kept_grads, grads):
+        assert torch.equal(got, want), name
+
 
 @pytest.mark.parametrize("B,T,H,G,K,V,with_h0,with_dht", SHAPES)
 def test_triton_forward_and_backward_match_reference(B, T, H, G, K, V, with_h0, with_dht):
@@ -74,14 +96,14 @@ def test_triton_forward_and_backward_match_reference(B, T, H, G, K, V, with_h0, 
 def test_triton_explicit_scale_and_empty_sequence():
     inputs = _inputs(1, 9, 1, 2, 16, 16, True, seed=3)
     args = [inputs[n] for n in NAMES]
-    o, ht, _ = kda_fwd_triton(*args, 0.3, inputs["initial_state"])
+    o, ht, _, _ = kda_fwd_triton(*args, 0.3, inputs["initial_state"])
     o_ref, ht_ref, _ = kda_forward_reference(*args, 0.3, inputs["initial_state"])
     _rel_close(o, o_ref, "o")
     _rel_close(ht, ht_ref, "final_state")
 
     empty = _inputs(2, 0, 1, 2, 16, 16, True, seed=4)
     args = [empty[n] for n in NAMES]
-    o, ht, cs = kda_fwd_triton(*args, None, empty["initial_state"])
+    o, ht, cs, _ = kda_fwd_triton(*args, None, empty["initial_state"])
     assert o.shape == (2, 0, 2, 16) and cs.shape == (2, 1, 2, 16, 16)
     torch.testing.assert_close(ht, empty["initial_state"], rtol=0, atol=0)
 
@@ -132,7 +154,7 @@ def test_triton_bf16_inputs_match_reference():
     do = torch.randn(1, CHUNK_SIZE + 86, 2, 32, generator=gen, dtype=torch.float64).to(torch.bfloat16)
     dht = torch.randn(1, 2, 32, 32, generator=gen)
 
-    o, ht, cs = kda_fwd_triton(*[x.to(DEVICE) for x in xbf], None, h0.float().to(DEVICE))
+    o, ht, cs, _ = kda_fwd_triton(*[x.to(DEVICE) for x in xbf], None, h0.float().to(DEVICE))
     o_ref, ht_ref, cs_ref = kda_forward_reference(*ref_in, None, h0)
     grads = kda_bwd_triton(*[x.to(DEVICE) for x in xbf], None, h0.float().to(DEVICE), cs, do.to(DEVICE), dht.to(DEVICE))
     grads_ref = kda_backward_reference(*ref_in, None, h0, cs_ref, do.double(), dht.double())

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._contract import num_chunk_boundaries, state_dtype
+from .._contract import intermediates_layout, num_chunk_boundaries, state_dtype
 
 
 def _output_and_final_state(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -32,12 +32,16 @@ def chunk_kda_fwd_fake(
     beta: Tensor,
     scale: Optional[float],
     initial_state: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor]:
+    keep_intermediates: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     o, final_state = _output_and_final_state(q, v)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     chunk_states = q.new_empty((B, num_chunk_boundaries(T), HV, K, V), dtype=final_state.dtype)
-    return o, final_state, chunk_states
+    # The kept intermediates exist only where the chunked CUDA kernels serve.
+    nbytes = intermediates_layout(B, T, HV, K, V, q.dtype, q.device.type)[1] if keep_intermediates else 0
+    intermediates = q.new_empty((nbytes,), dtype=torch.uint8)
+    return o, final_state, chunk_states, intermediates
 
 
 @torch.library.register_fake("kda_op::chunk_kda_bwd")
@@ -52,6 +56,7 @@ def chunk_kda_bwd_fake(
     chunk_states: Tensor,
     do: Tensor,
     dht: Optional[Tensor],
+    intermediates: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, _, HV, K = g.shape
     V = v.shape[3]

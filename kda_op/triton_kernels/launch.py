@@ -15,7 +15,7 @@ import triton
 from torch import Tensor
 from torch.profiler import record_function
 
-from .._contract import CHUNK_SIZE
+from .._contract import CHUNK_SIZE, intermediates_layout, scan_operand_dtype
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
 from .intra_bwd_a import kda_intra_bwd_a_kernel
@@ -63,14 +63,6 @@ SCAN_STAGES = 2  # where BK <= 128; one stage above
 # of the six launches of the chunked forward; their one chunk's boundaries are the
 # initial and the final state.
 RECURRENT_MAX_T = 16
-
-
-def _operand_dtype(dtype: torch.dtype) -> torch.dtype:
-    """dtype of W, Qg and Kr, what the scans and the output read once per chunk:
-    bf16 for bf16 inputs (half the bytes; the range of fp32; the dots still run
-    in TF32 on the upcast values), fp32 otherwise (fp16's range is too narrow
-    for W = Tm diag(beta) K exp(gam))."""
-    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -123,20 +115,28 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
     )
 
 
-def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
+def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] = None):
+    """Stage 1 of the forward (and of the backward's recompute): gam, the A's, Tm
+    (when ``store_tm``), W, U, Qg, Kr and the steep flags, into the tensors of
+    ``out`` where given (views of the kept intermediates), else fresh ones."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     f32 = dict(device=q.device, dtype=torch.float32)
     prec = _dot_precision(q.dtype)
-    gam = torch.empty(B, NC * BT, HV, K, **f32)
-    akk = torch.empty(B, T, HV, BT, **f32)
-    aqk = torch.empty(B, T, HV, BT, **f32)
-    steep = torch.empty(B, NC, HV, device=q.device, dtype=torch.int32)
-    operand = dict(device=q.device, dtype=_operand_dtype(q.dtype))
-    qg = torch.empty(B, T, HV, K, **operand)
-    kr = torch.empty(B, T, HV, K, **operand)
-    w = torch.empty(B, T, HV, K, **operand)
-    u = torch.empty(B, T, HV, V, **f32)
-    tm = torch.empty(B, T, HV, BT, **f32) if store_tm else akk  # akk: an unused placeholder
+    if out is None:
+        operand = dict(device=q.device, dtype=scan_operand_dtype(q.dtype))
+        out = dict(
+            gam=torch.empty(B, NC * BT, HV, K, **f32),
+            akk=torch.empty(B, T, HV, BT, **f32),
+            aqk=torch.empty(B, T, HV, BT, **f32),
+            steep=torch.empty(B, NC, HV, device=q.device, dtype=torch.int32),
+            qg=torch.empty(B, T, HV, K, **operand),
+            kr=torch.empty(B, T, HV, K, **operand),
+            w=torch.empty(B, T, HV, K, **operand),
+            u=torch.empty(B, T, HV, V, **f32),
+            tm=torch.empty(B, T, HV, BT, **f32) if store_tm else None,
+        )
+    gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
+    tm = out["tm"] if store_tm else akk  # akk: an unused placeholder
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
     kda_intra_a_fwd_kernel[(NC, B * HV)](
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, num_warps=INTRA_A_FWD_WARPS,
@@ -153,11 +153,35 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool):
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
 
+# The layout these kernels keep: that of the CUDA device, also when the Triton
+# interpreter runs them on CPU tensors (tests).
+_SERVES = "cuda"
+
+
+def _intermediates_views(buffer: Tensor, q: Tensor, v: Tensor) -> dict:
+    """The named tensors inside the flat uint8 buffer of kept intermediates
+    (layout: ``kda_op._contract.intermediates_layout``)."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    layout, _ = intermediates_layout(B, T, HV, K, V, q.dtype, _SERVES)
+    views = {}
+    for name, shape, dtype, offset in layout:
+        nbytes = dtype.itemsize
+        for n in shape:
+            nbytes *= n
+        views[name] = buffer[offset:offset + nbytes].view(dtype).view(shape)
+    return views
+
+
 def kda_fwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Chunked forward: ``(o, final_state, chunk_states)`` as ``chunk_kda_fwd``."""
+    keep_intermediates: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Chunked forward: ``(o, final_state, chunk_states, intermediates)`` as
+    ``chunk_kda_fwd``. ``intermediates`` is the flat uint8 buffer of
+    ``kda_op._contract.intermediates_layout`` when ``keep_intermediates``, else
+    empty; with it the backward skips recomputing the intra-chunk stage."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     s = _sizes(q, v)
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
@@ -165,8 +189,12 @@ def kda_fwd_triton(
     f32 = dict(device=q.device, dtype=torch.float32)
     h0 = None if initial_state is None else initial_state.contiguous()
 
+    nbytes = intermediates_layout(B, T, HV, K, V, q.dtype, _SERVES)[1] if keep_intermediates else 0
+    intermediates = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
     chunk_states = torch.empty(B, NC + 1, HV, K, V, **f32)
-    if 0 < T <= RECURRENT_MAX_T:
+    # Short sequences: one token-by-token launch, unless the backward wants the
+    # chunked intermediates.
+    if 0 < T <= RECURRENT_MAX_T and not keep_intermediates:
         with record_function("kda_op::fwd::recurrent"):
             o, ht = kda_recurrent_fwd_triton(q, k, v, g, beta, scale, h0)
         if h0 is None:
@@ -174,15 +202,16 @@ def kda_fwd_triton(
         else:
             chunk_states[:, 0].copy_(h0)
         chunk_states[:, 1].copy_(ht)
-        return o, ht, chunk_states
+        return o, ht, chunk_states, intermediates
     ht = torch.empty(B, HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     if B * HV == 0:
-        return o, ht, chunk_states
+        return o, ht, chunk_states, intermediates
     prec = _dot_precision(q.dtype)
     if NC > 0:
         with record_function("kda_op::fwd::intra"):
-            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False)
+            out = _intermediates_views(intermediates, q, v) if keep_intermediates else None
+            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=out)
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     up = torch.empty(B, T, HV, V, **f32)
@@ -199,18 +228,20 @@ def kda_fwd_triton(
                 H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
                 DOT_PREC=prec, num_warps=8,
             )
-    return o, ht, chunk_states
+    return o, ht, chunk_states, intermediates
 
 
 def kda_bwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
     chunk_states: Tensor, do: Tensor, dht: Optional[Tensor],
+    intermediates: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Chunked backward: ``(dq, dk, dv, dg, dbeta, dh0)`` as ``chunk_kda_bwd``.
 
-    Recomputes the intra-chunk quantities of the forward, then runs the reverse
-    scan and the intra-chunk backward. Per-token memory is O(T * (K + V + C));
+    Takes the intra-chunk quantities from ``intermediates`` (the forward's, when
+    it kept them) or recomputes them, then runs the reverse scan and the
+    intra-chunk backward. Per-token memory is O(T * (K + V + C));
     states are kept only per chunk.
     """
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
@@ -228,8 +259,11 @@ def kda_bwd_triton(
                 torch.zeros_like(beta), dh0.to(dh0_dtype))
 
     prec = _dot_precision(q.dtype)
-    with record_function("kda_op::bwd::intra_recompute"):
-        x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
+    if intermediates is not None and intermediates.numel() > 0:
+        x = _intermediates_views(intermediates, q, v)
+    else:
+        with record_function("kda_op::bwd::intra_recompute"):
+            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
     gam, akk, aqk, tm, steep = x["gam"], x["akk"], x["aqk"], x["tm"], x["steep"]
 
     up = torch.empty(B, T, HV, V, **f32)
