@@ -81,6 +81,8 @@ def main() -> int:
                         help="sequence lengths to time each shape at (the standard shapes use 8192)")
     parser.add_argument("--csv", default=None,
                         help="also write every timing as CSV (what profiling/plot_benchmark.py plots)")
+    parser.add_argument("--shapes", nargs="+", default=[name for name, *_ in SHAPES],
+                        help="which standard shapes (by name) to time; default all")
     parser.add_argument("--impl", choices=["both", "ours"], default="both",
                         help="'ours' skips fla (no ratios), e.g. to time our kernels without fla's autotuning")
     args = parser.parse_args()
@@ -97,7 +99,11 @@ def main() -> int:
         fla_version = getattr(fla, "__version__", "?")
     rows = []
     csv_rows = []
-    cases = [(name.replace("T8192", f"T{T}"), B, T, H, HV) for name, B, _, H, HV in SHAPES for T in args.seq_lens]
+    unknown = set(args.shapes) - {name for name, *_ in SHAPES}
+    if unknown:
+        raise SystemExit(f"unknown shapes {sorted(unknown)}; the standard ones are {[n for n, *_ in SHAPES]}")
+    cases = [(name.replace("T8192", f"T{T}"), B, T, H, HV) for name, B, _, H, HV in SHAPES
+             if name in args.shapes for T in args.seq_lens]
     for name, B, T, H, HV in cases:
         inputs, do = make_inputs(B, T, H, HV)
         q, k, v, g, beta, h0 = inputs
@@ -149,7 +155,8 @@ def write_table(rows, args, fla_version, csv_rows) -> None:
             f.write("shape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n" + "\n".join(csv_rows) + "\n")
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --impl {args.impl} --out {args.out}`\n\n{table}\n")
+            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --impl {args.impl} "
+                    f"--shapes {' '.join(args.shapes)} --out {args.out}`\n\n{table}\n")
 
 
 if __name__ == "__main__":

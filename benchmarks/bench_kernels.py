@@ -6,7 +6,9 @@ and the six grads). Needs a CUDA GPU; no fla.
 
     python benchmarks/bench_kernels.py [--settings "" "BV_SCAN=16" "INTRA_A_FWD_WARPS=4,INTRA_WU_FWD_WARPS=4"]
 
-The empty setting is the defaults; it always runs first.
+The empty setting is the defaults; it always runs first. The pseudo-setting
+RECOMPUTE=1 runs chunk_kda(recompute_in_backward=True): the backward recomputes
+the intra-chunk stage instead of taking the forward's kept intermediates.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ import triton.testing
 
 from bench_chunk_kda import SHAPES, make_inputs
 
-# Most promising first (a time limit cuts the tail): the scans are sequential, so
-# more programs (narrower V blocks), fewer warps or deeper prefetch may shorten them.
-DEFAULT_SETTINGS = ["", "BV_SCAN=16", "SCAN_WARPS=4", "SCAN_STAGES=3", "INTRA_A_FWD_WARPS=4,INTRA_WU_FWD_WARPS=4",
-                    "INTRA_BWD_W_WARPS=4,INTRA_BWD_WARPS=4", "INTRA_BWD_A_WARPS=8"]
+# Most informative first (a time limit cuts the tail): the kept intermediates
+# against recomputing them; then the scans, which are sequential (narrower V
+# blocks, fewer warps or deeper prefetch may shorten them); then the warps.
+DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BV_SCAN=32", "SCAN_WARPS=4", "SCAN_STAGES=3", "INTRA_BWD_A_WARPS=8",
+                    "INTRA_A_FWD_WARPS=8,INTRA_WU_FWD_WARPS=8", "INTRA_BWD_W_WARPS=8,INTRA_BWD_WARPS=8"]
 
 
 def kernel_times(step, reps: int = 5) -> dict:
@@ -53,19 +56,22 @@ def main() -> int:
     inputs, do = make_inputs(B, T, H, HV)
     q, k, v, g, beta, h0 = inputs
     defaults = {n: getattr(launch, n) for n in dir(launch) if n.isupper()}
+    mode = {"recompute": False}
 
     def fwd():
         with torch.no_grad():
             return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
 
     def fwd_bwd():
-        o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o, _ = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                         recompute_in_backward=mode["recompute"])
         o.backward(do)
 
     def results():
         for x in inputs:
             x.grad = None
-        o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+        o, ht = chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                          recompute_in_backward=mode["recompute"])
         o.backward(do)
         return [t.detach().float().clone() for t in [o, ht] + [x.grad for x in inputs]]
 
@@ -74,8 +80,12 @@ def main() -> int:
     for setting in settings:
         for n, value in defaults.items():
             setattr(launch, n, value)
+        mode["recompute"] = False
         for item in filter(None, setting.split(",")):
             n, value = item.split("=")
+            if n == "RECOMPUTE":
+                mode["recompute"] = bool(int(value))
+                continue
             if n not in defaults:
                 raise SystemExit(f"unknown setting {n!r}; launch.py has {sorted(defaults)}")
             setattr(launch, n, type(defaults[n])(value))

@@ -3,6 +3,8 @@
 #   bash benchmarks/run_gpu.sh tests   # every test (four pytest processes side by side,
 #                                      # so Triton compiles in parallel), then our
 #                                      # per-kernel times (bench_kernels.py)
+#   bash benchmarks/run_gpu.sh quick   # one call: a CUDA test subset, B1 against fla,
+#                                      # kept intermediates against recomputing
 #   bash benchmarks/run_gpu.sh bench   # ours against fla (RESULTS.md), decode
 #                                      # (RESULTS_decode.md); SWEEP=1 adds the sequence
 #                                      # sweep, its plot and a CUDA profile
@@ -30,12 +32,28 @@ tests)
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$OUT/t1.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$OUT/t2.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py tests/test_fused_recurrent.py > "$OUT/t3.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/ --ignore=tests/test_cuda.py \
+    # -v: a test that runs past the limit shows by name (the CUDA AOTI test did)
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/ --ignore=tests/test_cuda.py \
         --ignore=tests/test_triton_kernels.py --ignore=tests/test_fused_recurrent.py > "$OUT/t4.txt" 2>&1 &
     wait
     for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
     step "our kernels, B1-T8192-H16 (bench_kernels.py)"
     timeout "${KERNELS_LIMIT:-220}" python3 benchmarks/bench_kernels.py >> "$LOG" 2>&1
+    ;;
+quick)
+    # One short call: the first standard shape against fla (alone on the GPU),
+    # then side by side: the CUDA tests that cover the defaults' numerics, and the
+    # kept intermediates against recomputing them (bench_kernels.py: its
+    # difference check holds; its times are disturbed by the tests).
+    step "ours and fla, B1-T8192-H16"
+    timeout "${BENCH_LIMIT:-170}" python3 benchmarks/bench_chunk_kda.py --shapes B1-T8192-H16 --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
+    step "CUDA tests (subset) and bench_kernels.py, side by side"
+    L=${TEST_LIMIT:-150}
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32 or strong" > "$OUT/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "half or opcheck or compile or determin" > "$OUT/t2.txt" 2>&1 &
+    timeout "$L" python3 benchmarks/bench_kernels.py --settings "" "RECOMPUTE=1" "INTRA_WU_FWD_WARPS=2" > "$OUT/k.txt" 2>&1 &
+    wait
+    for f in "$OUT"/t?.txt "$OUT"/k.txt; do step "$f"; tail -n 40 "$f" >> "$LOG"; done
     ;;
 bench)
     step "ours and fla, standard shapes"
@@ -54,7 +72,7 @@ bench)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|bench" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"

@@ -5,11 +5,13 @@ forward   intra_a_fwd.py  gam = cumsum(g), A_kk, A_qk (a separate launch for ste
           intra_wu_fwd.py Tm = (I + diag(beta) A_kk)^-1, W, U
           state_fwd.py   the scan over chunks: chunk states, residuals U' = U - W S0
           output_fwd.py  O = (Q exp(gam)) S0 + A_qk U'
-backward  intra_a_fwd.py, intra_wu_fwd.py  recomputed, keeping Tm
+backward  intra_a_fwd.py, intra_wu_fwd.py  recomputed, keeping Tm, unless the
+                         forward kept them all (keep_intermediates)
           state_bwd.py   the reverse scan: dU', the grads of the chunk states, dh0
           intra_bwd_w.py back through the states and W: partial dq, dk, dg (per K slice)
           intra_bwd.py   dv, dbeta, dA_kk, dA_qk
           intra_bwd_a.py back through A_kk, A_qk: dq, dk, dg (parallel over K slices)
+          gva_reduce.py  dq, dk summed from the value heads to the key heads
 decode    recurrent_fwd.py  token by token, the state held on chip (fused_recurrent_kda)
 shared    _indexing.py   program index -> batch, heads, sequence start
 host      launch.py      allocation and launches (kda_fwd_triton, kda_bwd_triton,
