@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import sys
 
 import torch
@@ -81,6 +82,8 @@ def main() -> int:
                         help="sequence lengths to time each shape at (the standard shapes use 8192)")
     parser.add_argument("--csv", default=None,
                         help="also write every timing as CSV (what profiling/plot_benchmark.py plots)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="timing rounds, alternating between the implementations (median reported)")
     parser.add_argument("--shapes", nargs="+", default=[name for name, *_ in SHAPES],
                         help="which standard shapes (by name) to time; default all")
     parser.add_argument("--impl", choices=["both", "ours"], default="both",
@@ -107,8 +110,8 @@ def main() -> int:
     for name, B, T, H, HV in cases:
         inputs, do = make_inputs(B, T, H, HV)
         q, k, v, g, beta, h0 = inputs
-        res = {}
         outs = {}
+        steps = {}
         for label, fn in impls.items():
             print(f"{name}: {label}: first call (compiles; fla also autotunes)", flush=True)
 
@@ -123,8 +126,19 @@ def main() -> int:
             o, ht = fwd()
             fwd_bwd()
             outs[label] = (o, ht)
-            res[label] = (bench(fwd), bench(fwd_bwd, grad_to_none=inputs))
-            print(f"{name}: {label}: forward {res[label][0]:.3f} ms, forward+backward {res[label][1]:.3f} ms", flush=True)
+            steps[label] = (fwd, fwd_bwd)
+        # Rounds alternate between the implementations, so that a drift of the GPU
+        # (clocks, temperature) during the run touches both; the table takes the
+        # median of the rounds' medians, the log shows every round.
+        times = {label: ([], []) for label in impls}
+        for r in range(args.rounds):
+            for label, (fwd, fwd_bwd) in steps.items():
+                f, fb = bench(fwd), bench(fwd_bwd, grad_to_none=inputs)
+                times[label][0].append(f)
+                times[label][1].append(fb)
+                print(f"{name}: {label}: round {r + 1}: forward {f:.3f} ms, forward+backward {fb:.3f} ms", flush=True)
+        res = {label: (statistics.median(f), statistics.median(fb)) for label, (f, fb) in times.items()}
+        for label in impls:
             csv_rows.append(f"{name},{B},{T},{H},{HV},{label},{res[label][0]:.6f},{res[label][1]:.6f}")
         nan = float("nan")
         fla_fwd, fla_fb = res.get("fla", (nan, nan))
@@ -156,7 +170,7 @@ def write_table(rows, args, fla_version, csv_rows) -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --impl {args.impl} "
-                    f"--shapes {' '.join(args.shapes)} --out {args.out}`\n\n{table}\n")
+                    f"--shapes {' '.join(args.shapes)} --rounds {args.rounds} --out {args.out}`\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
       gam  [B, NC*C, HV, K] fp32   cumulative log decay in each chunk (padded rows)
       akk, aqk, tm  [B, T, HV, C] fp32   the chunk's A_kk, A_qk and (I + diag(beta) A_kk)^-1
       u    [B, T, HV, V] fp32      Tm diag(beta) V
+      up   [B, T, HV, V] fp32      U - W S0, the residuals of the forward's scan
       qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
       steep [B, NC, HV] int32      which chunks took the steep path
     """
@@ -83,6 +84,7 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
         ("aqk", (B, T, HV, C), torch.float32),
         ("tm", (B, T, HV, C), torch.float32),
         ("u", (B, T, HV, V), torch.float32),
+        ("up", (B, T, HV, V), torch.float32),
         ("qg", (B, T, HV, K), operand),
         ("kr", (B, T, HV, K), operand),
         ("w", (B, T, HV, K), operand),

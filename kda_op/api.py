@@ -43,7 +43,7 @@ def chunk_kda(
             for zeros.
         output_final_state: whether to return the state after the last token.
         recompute_in_backward: on CUDA, when a backward will follow, the forward
-            keeps its intra-chunk quantities for it (about 2.6 KB per token and
+            keeps its intra-chunk quantities for it (about 3 KB per token and
             value head at K = V = 128 with bf16 inputs, until the backward runs);
             ``True`` keeps none and the backward recomputes them: less memory,
             a slower backward. No effect without grad or on the CPU reference.

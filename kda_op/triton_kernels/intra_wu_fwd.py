@@ -22,7 +22,7 @@ def kda_intra_wu_fwd_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr,
+    STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
 ):
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -65,7 +65,16 @@ def kda_intra_wu_fwd_kernel(
     b_x = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
     for i in range(1, BC):
         row = (o_c == i)
-        b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
+        if TM_ROW_LOADS:
+            # row i of every block loaded again (A_kk was just read: cache hits)
+            # rather than cut out of b_d by a cross-warp reduction
+            t_i = t0 + o_b * BC + i
+            m_i = t_i < T
+            b_bi = tl.load(beta + t_i * HV, mask=m_i, other=0.0).to(tl.float32)
+            b_di = b_bi[:, None] * tl.load(akk + t_i[:, None] * (HV * BT) + (o_b * BC)[:, None] + o_c[None, :],
+                                           mask=m_i[:, None] & (o_c[None, :] < i), other=0.0)
+        else:
+            b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
         b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
         b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
     b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (BT, BT))

@@ -43,6 +43,10 @@ INTRA_WU_FWD_WARPS = 4
 INTRA_BWD_W_WARPS = 4
 INTRA_BWD_WARPS = 4
 INTRA_BWD_A_WARPS = 4
+# How intra_wu_fwd.py gets row i of the diagonal blocks in each of the 15 steps of
+# its forward substitution: 0 cut out of the blocks in registers (a cross-warp
+# reduction), 1 loaded again from A_kk. 0 until the GPU times both.
+TM_ROW_LOADS = 0
 # K slices of the forward's A's (intra_a_fwd.py): bounded shared memory at any K
 BKA = 64
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
@@ -151,7 +155,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     kda_intra_wu_fwd_kernel[(NC, B * HV)](
         k, v, beta, gam, akk, w, u, tm, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=s["BV"],
-        STORE_TM=store_tm, DOT_PREC=prec, num_warps=INTRA_WU_FWD_WARPS,
+        STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=TM_ROW_LOADS, num_warps=INTRA_WU_FWD_WARPS,
     )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
@@ -213,11 +217,11 @@ def kda_fwd_triton(
     prec = _dot_precision(q.dtype)
     if NC > 0:
         with record_function("kda_op::fwd::intra"):
-            out = _intermediates_views(intermediates, q, v) if keep_intermediates else None
-            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=out)
+            kept = _intermediates_views(intermediates, q, v) if keep_intermediates else None
+            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept)
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
-    up = torch.empty(B, T, HV, V, **f32)
+    up = kept["up"] if keep_intermediates and NC > 0 else torch.empty(B, T, HV, V, **f32)
     with record_function("kda_op::fwd::state_scan"):
         kda_state_fwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
             x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
@@ -269,7 +273,9 @@ def kda_bwd_triton(
             x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
     gam, akk, aqk, tm, steep = x["gam"], x["akk"], x["aqk"], x["tm"], x["steep"]
 
-    up = torch.empty(B, T, HV, V, **f32)
+    # U' = U - W S0: the forward's own when it kept its intermediates, else made
+    # by the prep kernel below
+    up = x["up"] if "up" in x else torch.empty(B, T, HV, V, **f32)
     dup = torch.empty(B, T, HV, V, **f32)
     dchunk_states = torch.empty(B, NC, HV, K, V, **f32)
     dh0 = torch.empty(B, HV, K, V, **f32)
@@ -280,7 +286,7 @@ def kda_bwd_triton(
             up, dup, dchunk_states,
             T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-            DOT_PREC=prec, num_warps=8,
+            HAS_UP="up" in x, DOT_PREC=prec, num_warps=8,
         )
         kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
             x["kr"], x["w"], gam, dht_arg,

@@ -7,7 +7,7 @@ at its end:
   dS0 = exp(Gam) dS_C + Qg^T dO - W^T dU',       Qg = Q * scale * exp(gam)
 Everything but the terms with dS_C is independent across chunks:
 kda_state_bwd_prep_kernel (one program per chunk, batch * value head and V block)
-writes U', A_qk^T dO (into dU') and Qg^T dO (into the chunk's slot of the
+writes U' (unless the forward kept it), A_qk^T dO (into dU') and Qg^T dO (into the chunk's slot of the
 dchunk_states buffer). kda_state_bwd_kernel (one program per V block and batch *
 value head) then carries dS from the last chunk to the first with two dots a
 chunk, writing dU' and dS_C (over the slot it read); after the first chunk dS is
@@ -30,8 +30,9 @@ def kda_state_bwd_prep_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HAS_UP: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
+    """HAS_UP: U' is already there (the forward kept it); skip S0, W and U."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_v = tl.program_id(2)
@@ -62,10 +63,11 @@ def kda_state_bwd_prep_kernel(
     row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
     row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
 
-    b_s0 = tl.load(chunk_states + state_off, mask=m_kv, other=0.0)
-    b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
-    b_u = tl.load(u + row_v, mask=m_tv, other=0.0)
-    tl.store(up + row_v, b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC), mask=m_tv)
+    if not HAS_UP:
+        b_s0 = tl.load(chunk_states + state_off, mask=m_kv, other=0.0)
+        b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_u = tl.load(u + row_v, mask=m_tv, other=0.0)
+        tl.store(up + row_v, b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC), mask=m_tv)
 
     b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
     b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
