@@ -51,7 +51,7 @@ quick)
     L=${TEST_LIMIT:-150}
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32 or strong" > "$OUT/t1.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "half or opcheck or compile or determin" > "$OUT/t2.txt" 2>&1 &
-    timeout "$L" python3 benchmarks/bench_kernels.py --settings "" "RECOMPUTE=1" "TM_ROW_LOADS=1" "INTRA_WU_FWD_WARPS=2" > "$OUT/k.txt" 2>&1 &
+    timeout "$L" python3 benchmarks/bench_kernels.py --settings "" "RECOMPUTE=1" "TM_ROW_LOADS=1" "FUSE_OUTPUT=1" "INTRA_WU_FWD_WARPS=2" > "$OUT/k.txt" 2>&1 &
     wait
     for f in "$OUT"/t?.txt "$OUT"/k.txt; do step "$f"; tail -n 40 "$f" >> "$LOG"; done
     ;;

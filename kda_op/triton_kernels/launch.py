@@ -47,6 +47,9 @@ INTRA_BWD_A_WARPS = 4
 # its forward substitution: 0 cut out of the blocks in registers (a cross-warp
 # reduction), 1 loaded again from A_kk. 0 until the GPU times both.
 TM_ROW_LOADS = 0
+# 1: the forward scan also writes the output (state_fwd.py, FUSE_OUTPUT) instead
+# of output_fwd.py's launch. 0 until the GPU times both.
+FUSE_OUTPUT = 0
 # K slices of the forward's A's (intra_a_fwd.py): bounded shared memory at any K
 BKA = 64
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
@@ -222,13 +225,16 @@ def kda_fwd_triton(
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     up = kept["up"] if keep_intermediates and NC > 0 else torch.empty(B, T, HV, V, **f32)
+    fuse_output = bool(FUSE_OUTPUT) and NC > 0
     with record_function("kda_op::fwd::state_scan"):
         kda_state_fwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
-            x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
+            x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, x["qg"], x["aqk"],
+            up, chunk_states, ht, o, T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_H0=h0 is not None, DOT_PREC=prec, num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
+            HAS_H0=h0 is not None, FUSE_OUTPUT=fuse_output, DOT_PREC=prec,
+            num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
-    if NC > 0:
+    if NC > 0 and not fuse_output:
         with record_function("kda_op::fwd::output"):
             kda_output_fwd_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
                 x["qg"], x["aqk"], up, chunk_states, o, T, NC,
