@@ -57,8 +57,8 @@ quick)
     step "ours and fla, B1-T8192-H16"
     timeout "${BENCH_LIMIT:-160}" python3 benchmarks/bench_chunk_kda.py --shapes B1-T8192-H16 --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     step "bench_kernels.py"
-    timeout "${KERNELS_LIMIT:-120}" python3 benchmarks/bench_kernels.py --settings "" "RECOMPUTE=1" "FUSE_OUTPUT=1" \
-        "TM_ROW_LOADS=1" "SCAN_WARPS=4" "INTRA_WU_FWD_WARPS=2" "INTRA_A_FWD_WARPS=2" >> "$LOG" 2>&1
+    timeout "${KERNELS_LIMIT:-120}" python3 benchmarks/bench_kernels.py --settings "" "RECOMPUTE=1" \
+        "TM_ROW_LOADS=1" "SCAN_WARPS=4" "INTRA_WU_FWD_WARPS_BF16=4" >> "$LOG" 2>&1
     ;;
 bench)
     step "ours and fla, standard shapes"

@@ -160,3 +160,22 @@ def test_inputs_are_not_mutated():
     for name, x in inputs.items():
         assert torch.equal(x.detach(), before[name]), name
     assert torch.equal(do, before_grads[0]) and torch.equal(dht, before_grads[1])
+
+
+def test_grads_when_only_the_final_state_is_used():
+    """A loss on the final state alone: o gets no grad (None, not zeros, reaches
+    the backward) and the grads still match the naive loop's."""
+    inputs = make_inputs(B=1, T=CHUNK_SIZE + 11, H=1, G=2, K=6, V=5)
+    dht = torch.randn(1, 2, 6, 5, dtype=torch.float64)
+
+    def grads_of(fn):
+        leaves = {n: x.detach().clone().requires_grad_(True) for n, x in inputs.items()}
+        _, ht = fn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), leaves["initial_state"], True)
+        (ht * dht).sum().backward()
+        return {n: x.grad for n, x in leaves.items()}
+
+    grads, grads_ref = grads_of(_ours), grads_of(_naive)
+    assert grads_ref["q"] is None  # q reaches only o in the naive loop: no grad there
+    assert torch.count_nonzero(grads["q"]) == 0  # the op returns all its grads: zeros for q
+    for name in ("k", "v", "g", "beta", "initial_state"):
+        torch.testing.assert_close(grads[name], grads_ref[name], **FP64_TOL, msg=lambda m: f"d{name}: {m}")

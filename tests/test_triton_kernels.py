@@ -156,17 +156,6 @@ def test_triton_tm_row_loads(T, monkeypatch):
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=4)
 
 
-@pytest.mark.parametrize("with_h0", [True, False])
-def test_triton_fused_output(with_h0, monkeypatch):
-    """The forward scan writing the output itself (launch.FUSE_OUTPUT = 1) gives
-    the reference's forward and backward too; a partial last chunk included."""
-    from kda_op.triton_kernels import launch
-
-    monkeypatch.setattr(launch, "FUSE_OUTPUT", 1)
-    inputs = _inputs(2, 2 * CHUNK_SIZE + 9, 1, 2, 32, 48, with_h0, seed=31)
-    _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=6)
-
-
 def test_triton_bf16_inputs_match_reference():
     """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'
     operand dtype); o and the grads come back in bf16."""

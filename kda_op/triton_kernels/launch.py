@@ -40,16 +40,20 @@ MAX_SPLIT = 60.0
 # intra_bwd 0.27 -> 0.26; intra_bwd_a 0.44 at 4, 0.46 at 8.
 INTRA_A_FWD_WARPS = 4
 INTRA_WU_FWD_WARPS = 4
+# ... and two for bf16 inputs with K <= 128: intra_wu_fwd 0.36 -> 0.23 ms, forward
+# 1.12 -> 0.99 ms (same H200 run, B1-T8192-H16; max rel diff of o, final state and
+# grads to four warps 3e-5). Not at fp32 or K = 256, where two warps spill
+# kilobytes (benchmarks/kernel_resources.py).
+INTRA_WU_FWD_WARPS_BF16 = 2
 INTRA_BWD_W_WARPS = 4
 INTRA_BWD_WARPS = 4
 INTRA_BWD_A_WARPS = 4
 # How intra_wu_fwd.py gets row i of the diagonal blocks in each of the 15 steps of
 # its forward substitution: 0 cut out of the blocks in registers (a cross-warp
-# reduction), 1 loaded again from A_kk. 0 until the GPU times both.
+# reduction), 1 loaded again from A_kk. Measured alone on the H200 (four warps,
+# bf16, B1-T8192-H16): intra_wu_fwd 0.36 -> 0.28 ms, outputs bitwise the same; not
+# yet together with two warps, so still 0.
 TM_ROW_LOADS = 0
-# 1: the forward scan also writes the output (state_fwd.py, FUSE_OUTPUT) instead
-# of output_fwd.py's launch. 0 until the GPU times both.
-FUSE_OUTPUT = 0
 # K slices of the forward's A's (intra_a_fwd.py): bounded shared memory at any K
 BKA = 64
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
@@ -63,7 +67,14 @@ BKD = 16
 # over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
 # next chunk (two stages) where BK <= 128, which fits the H200's 227 KB of shared
 # memory at fp32 (the backward scan: 156 KB at BK = 128, 270 KB at 256 by compiling).
-BV_SCAN = 16  # 32 -> 16 on the H200: forward scan 0.39 -> 0.35 ms, backward scan even (B1-T8192-H16)
+BV_SCAN = 16  # 32 -> 16 on the H200: forward scan 0.39 -> 0.35 ms, backward scan even (B1-T8192-H16, bf16)
+# ... but only where W and Kr are bf16 (bf16 inputs). With fp32 W and Kr (fp32 and
+# fp16 inputs) the first forward at BV_SCAN = 16 hit an illegal memory access on
+# the H200 (2026-11-30; every fp32 and fp16 CUDA test, while bf16 passed; no
+# device time was left to confirm the cause in isolation). At 32 every CUDA test
+# had passed earlier that day, and a V block of 16 is the one earlier seen to
+# give a wrong dk under fp32 (see _sizes).
+BV_SCAN_FP32_OPERANDS = 32
 SCAN_WARPS = 8
 SCAN_STAGES = 2  # where BK <= 128; one stage above
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
@@ -120,7 +131,7 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         NC=triton.cdiv(T, BT),
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
-        BV_SCAN=BV_SCAN,
+        BV_SCAN=BV_SCAN if scan_operand_dtype(q.dtype) == torch.bfloat16 else BV_SCAN_FP32_OPERANDS,
         SCAN_STAGES=SCAN_STAGES if BK <= 128 else 1,
     )
 
@@ -158,7 +169,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     kda_intra_wu_fwd_kernel[(NC, B * HV)](
         k, v, beta, gam, akk, w, u, tm, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=s["BV"],
-        STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=TM_ROW_LOADS, num_warps=INTRA_WU_FWD_WARPS,
+        STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=TM_ROW_LOADS,
+        num_warps=INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else INTRA_WU_FWD_WARPS,
     )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
@@ -225,16 +237,13 @@ def kda_fwd_triton(
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     up = kept["up"] if keep_intermediates and NC > 0 else torch.empty(B, T, HV, V, **f32)
-    fuse_output = bool(FUSE_OUTPUT) and NC > 0
     with record_function("kda_op::fwd::state_scan"):
         kda_state_fwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
-            x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, x["qg"], x["aqk"],
-            up, chunk_states, ht, o, T, NC,
+            x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_H0=h0 is not None, FUSE_OUTPUT=fuse_output, DOT_PREC=prec,
-            num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
+            HAS_H0=h0 is not None, DOT_PREC=prec, num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
-    if NC > 0 and not fuse_output:
+    if NC > 0:
         with record_function("kda_op::fwd::output"):
             kda_output_fwd_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
                 x["qg"], x["aqk"], up, chunk_states, o, T, NC,

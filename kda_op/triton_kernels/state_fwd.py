@@ -16,16 +16,14 @@ from ._indexing import sequence_and_heads
 
 @triton.jit
 def kda_state_fwd_kernel(
-    kr, w, u, gam, h0, qg, aqk,
-    up, chunk_states, ht, o,
+    kr, w, u, gam, h0,
+    up, chunk_states, ht,
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, FUSE_OUTPUT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """FUSE_OUTPUT: also O = Qg S0 + A_qk U' of each chunk (what output_fwd.py
-    does), off the scan's dependency chain, instead of a separate launch."""
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -36,9 +34,6 @@ def kda_state_fwd_kernel(
     w += (bos * HV + i_hv) * K
     u += (bos * HV + i_hv) * V
     up += (bos * HV + i_hv) * V
-    qg += (bos * HV + i_hv) * K
-    aqk += (bos * HV + i_hv) * BT
-    o += (bos * HV + i_hv) * V
     gam += (bos_pad * HV + i_hv) * K
     h0 += (i_b * HV + i_hv) * K * V
     ht += (i_b * HV + i_hv) * K * V
@@ -68,12 +63,6 @@ def kda_state_fwd_kernel(
         b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_up = b_u - tl.dot(b_w, b_s, input_precision=DOT_PREC)
         tl.store(up + row_v, b_up, mask=m_t[:, None] & m_v[None, :])
-        if FUSE_OUTPUT:
-            b_qg = tl.load(qg + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-            b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
-                          mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
-            b_o = tl.dot(b_qg, b_s, input_precision=DOT_PREC) + tl.dot(b_a, b_up, input_precision=DOT_PREC)
-            tl.store(o + row_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
         b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
