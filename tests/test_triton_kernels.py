@@ -156,6 +156,37 @@ def test_triton_tm_row_loads(T, monkeypatch):
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=4)
 
 
+@pytest.mark.skipif(DEVICE != "cpu", reason="checks the interpreter's accesses")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B,T,H,G,K,V", [
+    (2, 2 * CHUNK_SIZE + 9, 1, 2, 48, 24),  # K, V not powers of two, a partial last chunk
+    (1, CHUNK_SIZE + 3, 2, 4, 32, 16),  # G = 4
+    (1, 7, 1, 1, 16, 16),  # routed to the recurrent kernel when nothing is kept
+])
+def test_triton_kernels_stay_in_bounds(B, T, H, G, K, V, dtype, monkeypatch):
+    """Every unmasked load and store of every kernel, forward (keeping its
+    intermediates and not) and backward (from them and recomputing), steep
+    chunks included, lies inside the tensor it reads or writes."""
+    from bounds_check import BoundsChecker
+    from kda_op.triton_kernels import launch
+
+    checker = BoundsChecker().install(monkeypatch, launch)
+    inputs = _inputs(B, T, H, G, K, V, True, seed=T + K)
+    g = inputs["g"].clone()
+    g[:, : min(T, CHUNK_SIZE)] -= 4.0  # a steep first chunk
+    inputs["g"] = g
+    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+    for x in args + [h0]:
+        checker.track(x)
+    for keep in (True, False):
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0, keep_intermediates=keep)
+        do, dht = checker.track(torch.randn_like(o)), checker.track(torch.randn_like(ht))
+        kda_bwd_triton(*args, None, h0, cs, do, dht, kept)
+    assert checker.accesses > 100  # the hooks saw the kernels
+    assert not checker.violations, checker.violations[:5]
+
+
 def test_triton_bf16_inputs_match_reference():
     """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'
     operand dtype); o and the grads come back in bf16."""
