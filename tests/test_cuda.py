@@ -120,6 +120,31 @@ def test_cuda_strong_decay_stays_finite_and_accurate(dtype, tol):
     assert max(errors.values()) < tol, errors
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_kept_intermediates_match_recompute(dtype):
+    """The backward from the forward's kept intermediates (the default when grads
+    are needed) and the one that recomputes them (recompute_in_backward=True)
+    agree, and the forward keeps something only when a backward will follow."""
+    B, T, H, G, K, V = 2, 2 * CHUNK_SIZE + 30, 2, 2, 64, 96
+    inputs = _cuda_inputs(B, T, H, G, K, V, dtype, seed=12)
+    do = torch.randn(B, T, H * G, V, device="cuda").to(dtype)
+    dht = torch.randn(B, H * G, K, V, device="cuda")
+
+    def run(recompute):
+        return _fwd_bwd(inputs, do, dht, lambda q, k, v, g, beta, h0: chunk_kda(
+            q, k, v, g, beta, initial_state=h0, output_final_state=True, recompute_in_backward=recompute))
+
+    kept, recomputed = run(False), run(True)
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), kept, recomputed):
+        # same kernels; only U' = U - W S0 comes from the forward's scan instead of
+        # being recomputed (other dot tiling): reduction-order differences
+        assert _rel_err(a, b) < (1e-5 if dtype == torch.float32 else 1e-2), (name, _rel_err(a, b))
+    args = [inputs[n] for n in NAMES[:5]]
+    with torch.no_grad():
+        assert torch.ops.kda_op.chunk_kda_fwd(*args, None, inputs["initial_state"], False)[3].numel() == 0
+    assert torch.ops.kda_op.chunk_kda_fwd(*args, None, inputs["initial_state"], True)[3].numel() > 0
+
+
 def test_cuda_long_sequence_is_finite():
     B, T, H, K, V = 1, 65536, 1, 128, 128
     inputs = _cuda_inputs(B, T, H, 2, K, V, torch.bfloat16, seed=6)

@@ -71,6 +71,8 @@ def test_bad_scale_and_flag():
         _call(_good(), scale=float("nan"))
     with pytest.raises(TypeError, match="output_final_state"):
         _call(_good(), output_final_state=1)
+    with pytest.raises(TypeError, match="recompute_in_backward"):
+        _call(_good(), recompute_in_backward=1)
 
 
 def test_checks_run_before_any_kernel(monkeypatch):
