@@ -9,6 +9,11 @@ under replay (the fp32 state read once and written once) against the
 device-to-device copy ceiling measured in the same process. Needs CUDA and fla.
 
     python benchmarks/bench_decode.py [--impl ours] [--out benchmarks/RESULTS_decode.md]
+        [--settings "RECURRENT_BV=16" "RECURRENT_WARPS=2"]
+
+--settings: after the table, ours alone under other values of launch.py's
+RECURRENT_* settings (comma-separated NAME=VALUE, one string per run), each
+checked against the defaults' output and final state.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", choices=["both", "ours"], default="both")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    parser.add_argument("--settings", nargs="*", default=[],
+                        help="launch.py RECURRENT_* settings to time ours under after the table")
     args = parser.parse_args()
 
     from kda_op import fused_recurrent_kda as ours
@@ -105,7 +112,42 @@ def main() -> int:
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_decode.py --impl {args.impl} --out {args.out}`\n\n{table}\n")
+    if args.settings:
+        time_settings(impls["ours"], args.settings, ceiling)
     return 0
+
+
+def time_settings(ours, settings, ceiling) -> None:
+    """Ours under other launch settings: eager and graph-replay medians, state
+    TB/s, and the largest difference of o and the final state to the defaults."""
+    from kda_op.triton_kernels import launch
+
+    defaults = {n: getattr(launch, n) for n in dir(launch) if n.startswith("RECURRENT_")}
+    for B, HV, H in SHAPES:
+        inputs = make_inputs(B, HV, H)
+        state_bytes = 2 * B * HV * K * V * 4
+        with torch.no_grad():
+            reference = [t.float().clone() for t in ours(*inputs)]
+            for setting in settings:
+                for n, value in defaults.items():
+                    setattr(launch, n, value)
+                for item in filter(None, setting.split(",")):
+                    n, value = item.split("=")
+                    if n not in defaults:
+                        raise SystemExit(f"unknown setting {n!r}; launch.py has {sorted(defaults)}")
+                    setattr(launch, n, type(defaults[n])(value))
+                got = [t.float() for t in ours(*inputs)]
+                diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, reference))
+                eager = triton.testing.do_bench(lambda: ours(*inputs), warmup=50, rep=300, return_mode="median")
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    ours(*inputs)
+                replay = triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+                print(f"B={B} HV={HV} [{setting}]: eager {eager * 1e3:.1f} us, CUDA graph {replay * 1e3:.1f} us, "
+                      f"{state_bytes / (replay * 1e-3) / ceiling:.0%} of the copy ceiling, "
+                      f"max rel diff to defaults {diff:.1e}", flush=True)
+        for n, value in defaults.items():
+            setattr(launch, n, value)
 
 
 if __name__ == "__main__":

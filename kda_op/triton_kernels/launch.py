@@ -84,6 +84,11 @@ GVA_ROWS = 32
 # of the six launches of the chunked forward; their one chunk's boundaries are the
 # initial and the final state.
 RECURRENT_MAX_T = 16
+# The recurrent kernel's V block (at most; at least 16) and warps per program:
+# 90% of the copy ceiling at B = 256 and 83% at B = 64 (HV = 32, K = V = 128) on
+# the H200 with these; benchmarks/bench_decode.py --settings times others.
+RECURRENT_BV = 32
+RECURRENT_WARPS = 4
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -378,9 +383,9 @@ def kda_recurrent_fwd_triton(
         return o, ht
     BK = max(16, triton.next_power_of_2(K))
     # Small V blocks: more programs in flight to hide the state's memory traffic.
-    BV = min(32, max(16, triton.next_power_of_2(V)))
+    BV = min(RECURRENT_BV, max(16, triton.next_power_of_2(V)))
     kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, scale, T, H, HV,
-        K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, num_warps=4,
+        K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, num_warps=RECURRENT_WARPS,
     )
     return o, ht
