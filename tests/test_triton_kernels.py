@@ -187,6 +187,22 @@ def test_triton_kernels_stay_in_bounds(B, T, H, G, K, V, dtype, monkeypatch):
     assert not checker.violations, checker.violations[:5]
 
 
+def test_triton_grid_limits_are_refused_with_advice():
+    """B * HV past the 65535 programs a CUDA grid allows on its second axis: a
+    ValueError that says what to do, from the chunked and the recurrent path,
+    before any launch."""
+    from kda_op.triton_kernels import kda_recurrent_fwd_triton
+
+    B, HV = 65536, 1
+    q = torch.randn(B, 1, 1, 16).to(DEVICE)
+    v = torch.randn(B, 1, HV, 16).to(DEVICE)
+    g = torch.zeros(B, 1, HV, 16).to(DEVICE) - 0.1
+    beta = torch.rand(B, 1, HV).to(DEVICE)
+    for fn in (kda_fwd_triton, kda_recurrent_fwd_triton):
+        with pytest.raises(ValueError, match="split the batch"):
+            fn(q, q, v, g, beta, None, None)
+
+
 def test_triton_bf16_inputs_match_reference():
     """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'
     operand dtype); o and the grads come back in bf16."""

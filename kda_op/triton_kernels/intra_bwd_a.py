@@ -33,9 +33,11 @@ def kda_intra_bwd_a_kernel(
 ):
     """STEEP = False: the chunks the forward split at their middle row (the others
     return at once); STEEP = True: the steep ones, with sub-blocks."""
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_s = tl.program_id(2)
+    # The K slice varies fastest over the grid: the slices of one chunk run side by
+    # side and share their loads of dA_kk, dA_qk through L2.
+    i_s = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
     bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside

@@ -29,9 +29,11 @@ def kda_intra_bwd_w_kernel(
     BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_s = tl.program_id(2)
+    # The K slice varies fastest over the grid: the slices of one chunk run side by
+    # side and share their loads of dO, U', dU', Tm through L2.
+    i_s = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
     bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
@@ -49,8 +51,8 @@ def kda_intra_bwd_w_kernel(
     dgam += (bos * HV + i_hv) * K
     i_chunk = (i_b * NC + i_c) * HV + i_hv  # this chunk and head among [B, NC, HV]
     dgam_last += i_chunk * K
-    dtm_part += (i_chunk * tl.num_programs(2) + i_s) * BT * BT
-    dbeta_part += (i_chunk * tl.num_programs(2) + i_s) * BT
+    dtm_part += (i_chunk * tl.num_programs(0) + i_s) * BT * BT
+    dbeta_part += (i_chunk * tl.num_programs(0) + i_s) * BT
     t0 = i_c * BT
 
     o_r = tl.arange(0, BT)

@@ -124,10 +124,31 @@ def _check_offsets(T: int, HV: int, K: int, V: int) -> None:
         )
 
 
+# CUDA grids allow at most 65535 programs along their second and third axes, where
+# the kernels put B * HV (and, in the backward's K-sliced kernels, the chunks).
+MAX_GRID_YZ = 65535
+
+
+def _check_grid(B: int, HV: int, T: Optional[int]) -> None:
+    """Refuse, with what to do, a launch whose grid the GPU would reject (T: None
+    for the recurrent kernel, whose grid does not count chunks)."""
+    if B * HV > MAX_GRID_YZ:
+        raise ValueError(
+            f"B * HV = {B} * {HV} = {B * HV} exceeds {MAX_GRID_YZ}, the CUDA kernels' limit on "
+            f"sequences times value heads per call; split the batch"
+        )
+    if T is not None and triton.cdiv(T, BT) > MAX_GRID_YZ:
+        raise ValueError(
+            f"T = {T} is {triton.cdiv(T, BT)} chunks of {BT}, more than {MAX_GRID_YZ}; "
+            f"split the sequence, carrying the state"
+        )
+
+
 def _sizes(q: Tensor, v: Tensor) -> dict:
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_offsets(T, HV, K, V)
+    _check_grid(B, HV, T)
     # Blocks of at least 32: a wrong dk was seen on the H200 with K = 32, V = 16
     # (BV = 16) that the interpreter computed right; cause not established.
     BK = max(32, triton.next_power_of_2(K))
@@ -329,7 +350,7 @@ def kda_bwd_triton(
     dtm_part = torch.empty(B, NC, HV, NS, BT, BT, **f32)
     dbeta_part = torch.empty(B, NC, HV, NS, BT, **f32)
     with record_function("kda_op::bwd::intra_through_w"):
-        kda_intra_bwd_w_kernel[(NC, B * HV, NS)](
+        kda_intra_bwd_w_kernel[(NS, NC, B * HV)](
             q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
             dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
             scale, T, NC,
@@ -348,10 +369,10 @@ def kda_bwd_triton(
     with record_function("kda_op::bwd::intra_through_a"):
         common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
         args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, scale, T, NC)
-        kda_intra_bwd_a_kernel[(NC, B * HV, triton.cdiv(K, BKD_A))](
+        kda_intra_bwd_a_kernel[(triton.cdiv(K, BKD_A), NC, B * HV)](
             *args, **common, BKD=BKD_A, STEEP=False, num_warps=INTRA_BWD_A_WARPS,
         )
-        kda_intra_bwd_a_kernel[(NC, B * HV, triton.cdiv(K, BKD))](
+        kda_intra_bwd_a_kernel[(triton.cdiv(K, BKD), NC, B * HV)](
             *args, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))), BKD=BKD, STEEP=True, num_warps=4,
         )
     with record_function("kda_op::bwd::gva_reduce"):
@@ -375,6 +396,7 @@ def kda_recurrent_fwd_triton(
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_offsets(T, HV, K, V)
+    _check_grid(B, HV, None)
     scale = K**-0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.contiguous()
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
