@@ -271,7 +271,7 @@ def kda_fwd_triton(
         )
     if NC > 0:
         with record_function("kda_op::fwd::output"):
-            kda_output_fwd_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
+            kda_output_fwd_kernel[(triton.cdiv(V, s["BV"]), NC, B * HV)](
                 x["qg"], x["aqk"], up, chunk_states, o, T, NC,
                 H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
                 DOT_PREC=prec, num_warps=8,
@@ -322,7 +322,7 @@ def kda_bwd_triton(
     dh0 = torch.empty(B, HV, K, V, **f32)
     dht_arg = dht.contiguous() if dht is not None else dh0
     with record_function("kda_op::bwd::state_scan"):
-        kda_state_bwd_prep_kernel[(NC, B * HV, triton.cdiv(V, s["BV"]))](
+        kda_state_bwd_prep_kernel[(triton.cdiv(V, s["BV"]), NC, B * HV)](
             x["qg"], x["w"], x["u"], aqk, chunk_states, do,
             up, dup, dchunk_states,
             T, NC,

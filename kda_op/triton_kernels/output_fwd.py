@@ -21,9 +21,11 @@ def kda_output_fwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_v = tl.program_id(2)
+    # The V block varies fastest over the grid: the blocks of one chunk run side by
+    # side and share their loads of Qg and A_qk through L2.
+    i_v = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
