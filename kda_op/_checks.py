@@ -24,6 +24,12 @@ def _check_tensor(name: str, x: object, ndim: int, layout: str) -> Tensor:
     return x
 
 
+def check_bool(name: str, value: object) -> None:
+    """A flag argument must be a real bool (not 0/1, not a tensor)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
 def check_kda_inputs(
     q: Tensor,
     k: Tensor,
@@ -91,5 +97,4 @@ def check_kda_inputs(
             raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
-    if not isinstance(output_final_state, bool):
-        raise TypeError(f"output_final_state must be a bool, got {type(output_final_state).__name__}")
+    check_bool("output_final_state", output_final_state)

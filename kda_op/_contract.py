@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 #: Floating dtypes the ops accept for every tensor argument.
@@ -93,12 +95,6 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
     layout, offset = [], 0
     for name, shape, dtype in pieces:
         layout.append((name, shape, dtype, offset))
-        offset = offset + _round_up(_numel(shape) * dtype.itemsize)
+        offset = offset + _round_up(math.prod(shape) * dtype.itemsize)
     return layout, offset
 
-
-def _numel(shape):
-    n = 1
-    for s in shape:
-        n = n * s
-    return n

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from . import ops as _ops  # noqa: F401  (defines the ops and their autograd)
 from . import meta as _meta  # noqa: F401  (registers the fake kernels; needs the ops)
-from ._checks import check_kda_inputs
+from ._checks import check_bool, check_kda_inputs
 
 
 def chunk_kda(
@@ -68,8 +68,7 @@ def chunk_kda(
             or tensors on different devices.
     """
     check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state)
-    if not isinstance(recompute_in_backward, bool):
-        raise TypeError(f"recompute_in_backward must be a bool, got {type(recompute_in_backward).__name__}")
+    check_bool("recompute_in_backward", recompute_in_backward)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
     )

@@ -22,6 +22,12 @@ from .reference import kda_backward_reference, kda_forward_reference
 NAMESPACE = "kda_op"
 
 
+def _reference_fwd(q, k, v, g, beta, scale, initial_state):
+    """chunk_kda_fwd on the einsum reference, which keeps no intermediates."""
+    o, final_state, chunk_states = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+    return o, final_state, chunk_states, q.new_empty((0,), dtype=torch.uint8)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::chunk_kda_fwd", mutates_args=(), device_types="cpu")
 def chunk_kda_fwd(
     q: Tensor,
@@ -41,8 +47,7 @@ def chunk_kda_fwd(
     quantities in ``intermediates`` (layout: ``kda_op._contract.
     intermediates_layout``) so that the backward need not recompute them; it is
     empty otherwise, and always on the reference (CPU, fp64)."""
-    o, final_state, chunk_states = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
-    return o, final_state, chunk_states, q.new_empty((0,), dtype=torch.uint8)
+    return _reference_fwd(q, k, v, g, beta, scale, initial_state)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::chunk_kda_bwd", mutates_args=(), device_types="cpu")
@@ -99,8 +104,7 @@ chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
 @chunk_kda_fwd.register_kernel("cuda")
 def _chunk_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state, keep_intermediates=False):
     if not chunked_kernels_serve(q.device.type, q.dtype):
-        o, final_state, chunk_states = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
-        return o, final_state, chunk_states, q.new_empty((0,), dtype=torch.uint8)
+        return _reference_fwd(q, k, v, g, beta, scale, initial_state)
     from .triton_kernels import kda_fwd_triton
 
     return kda_fwd_triton(q, k, v, g, beta, scale, initial_state, keep_intermediates)

@@ -8,6 +8,7 @@ No host synchronisation, so they can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -214,9 +215,7 @@ def _intermediates_views(buffer: Tensor, q: Tensor, v: Tensor) -> dict:
     layout, _ = intermediates_layout(B, T, HV, K, V, q.dtype, _SERVES)
     views = {}
     for name, shape, dtype, offset in layout:
-        nbytes = dtype.itemsize
-        for n in shape:
-            nbytes *= n
+        nbytes = math.prod(shape) * dtype.itemsize
         views[name] = buffer[offset:offset + nbytes].view(dtype).view(shape)
     return views
 
