@@ -25,7 +25,7 @@ from bench_chunk_kda import SHAPES, make_inputs
 # Most informative first (a time limit cuts the tail): the kept intermediates
 # against recomputing them; then the scans, which are sequential (narrower V
 # blocks, fewer warps or deeper prefetch may shorten them); then the warps.
-DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "TM_ROW_LOADS=1", "BV_SCAN=32", "SCAN_WARPS=4", "SCAN_STAGES=3", "INTRA_BWD_A_WARPS=8",
+DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "TM_ROW_LOADS=0", "BV_SCAN=32", "SCAN_WARPS=4", "SCAN_STAGES=3", "INTRA_BWD_A_WARPS=8",
                     "INTRA_WU_FWD_WARPS_BF16=4", "INTRA_A_FWD_WARPS=8", "INTRA_BWD_W_WARPS=8,INTRA_BWD_WARPS=8"]
 
 

@@ -51,10 +51,10 @@ INTRA_BWD_WARPS = 4
 INTRA_BWD_A_WARPS = 4
 # How intra_wu_fwd.py gets row i of the diagonal blocks in each of the 15 steps of
 # its forward substitution: 0 cut out of the blocks in registers (a cross-warp
-# reduction), 1 loaded again from A_kk. Measured alone on the H200 (four warps,
-# bf16, B1-T8192-H16): intra_wu_fwd 0.36 -> 0.28 ms, outputs bitwise the same; not
-# yet together with two warps, so still 0.
-TM_ROW_LOADS = 0
+# reduction), 1 loaded again from A_kk. On the H200 (bf16, B1-T8192-H16, two
+# warps): intra_wu_fwd 0.229 -> 0.190 ms, forward 0.999 -> 0.958 ms, outputs
+# bitwise the same (bench_kernels.py, 2026-11-30).
+TM_ROW_LOADS = 1
 # K slices of the forward's A's (intra_a_fwd.py): bounded shared memory at any K
 BKA = 64
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
@@ -220,6 +220,21 @@ def _intermediates_views(buffer: Tensor, q: Tensor, v: Tensor) -> dict:
     return views
 
 
+def _zero_alignment_gaps(buffer: Tensor, q: Tensor, v: Tensor) -> None:
+    """Zero the bytes between (and after) the pieces of the kept-intermediates
+    buffer, which no kernel writes: the buffer is an op output, so every byte must
+    follow from the inputs (opcheck compares eager and traced runs bitwise). At
+    most one small fill per piece, none where sizes are multiples of 256 bytes."""
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    layout, total = intermediates_layout(B, T, HV, K, V, q.dtype, _SERVES)
+    starts = [offset for *_, offset in layout[1:]] + [total]
+    for (_, shape, dtype, offset), next_start in zip(layout, starts):
+        end = offset + math.prod(shape) * dtype.itemsize
+        if end < next_start:
+            buffer[end:next_start].zero_()
+
+
 def kda_fwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
@@ -238,6 +253,8 @@ def kda_fwd_triton(
 
     nbytes = intermediates_layout(B, T, HV, K, V, q.dtype, _SERVES)[1] if keep_intermediates else 0
     intermediates = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
+    if keep_intermediates:
+        _zero_alignment_gaps(intermediates, q, v)
     chunk_states = torch.empty(B, NC + 1, HV, K, V, **f32)
     # Short sequences: one token-by-token launch, unless the backward wants the
     # chunked intermediates.
