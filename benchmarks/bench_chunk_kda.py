@@ -12,6 +12,7 @@ beta = sigmoid(rand), fp32 initial state). Needs a CUDA GPU and fla.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import sys
@@ -88,11 +89,18 @@ def main() -> int:
                         help="which standard shapes (by name) to time; default all")
     parser.add_argument("--impl", choices=["both", "ours"], default="both",
                         help="'ours' skips fla (no ratios), e.g. to time our kernels without fla's autotuning")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="also time ours under other launch settings (comma-separated NAME=VALUE of "
+                             "kda_op/triton_kernels/launch.py's upper-case settings, one string per variant)")
     args = parser.parse_args()
 
     from kda_op import chunk_kda as ours_chunk_kda
 
     impls = {"ours": ours_chunk_kda}
+    contexts = {}  # label -> the launch settings its forward and backward run under
+    for variant in args.variants:
+        impls[f"ours[{variant}]"] = ours_chunk_kda
+        contexts[f"ours[{variant}]"] = launch_settings(variant)
     fla_version = "not run"
     if args.impl == "both":
         import fla
@@ -115,13 +123,16 @@ def main() -> int:
         for label, fn in impls.items():
             print(f"{name}: {label}: first call (compiles; fla also autotunes)", flush=True)
 
-            def fwd(fn=fn):
-                with torch.no_grad():
+            context = contexts.get(label, contextlib.nullcontext)
+
+            def fwd(fn=fn, context=context):
+                with torch.no_grad(), context():
                     return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
 
-            def fwd_bwd(fn=fn):
-                o, _ = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-                o.backward(do)
+            def fwd_bwd(fn=fn, context=context):
+                with context():
+                    o, _ = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                    o.backward(do)
 
             o, ht = fwd()
             fwd_bwd()
@@ -145,10 +156,42 @@ def main() -> int:
         err_o = rel_err(outs["ours"][0], outs["fla"][0]) if "fla" in outs else nan
         err_h = rel_err(outs["ours"][1], outs["fla"][1]) if "fla" in outs else nan
         rows.append((name, res["ours"][0], fla_fwd, res["ours"][1], fla_fb, err_o, err_h))
+        for label in impls:
+            if label.startswith("ours["):
+                err_o = rel_err(outs[label][0], outs["fla"][0]) if "fla" in outs else nan
+                err_h = rel_err(outs[label][1], outs["fla"][1]) if "fla" in outs else nan
+                rows.append((f"{name} {label}", res[label][0], fla_fwd, res[label][1], fla_fb, err_o, err_h))
         write_table(rows, args, fla_version, csv_rows)  # after every shape: a time limit keeps what ran
     if args.kernels:
         print_kernel_breakdown(ours_chunk_kda)
     return 0
+
+
+def launch_settings(variant: str):
+    """A context (factory) in which some of launch.py's module-level settings are
+    changed, e.g. ``"SCAN_BF16_DOTS=1,OUTPUT_WARPS=4"``; restored on exit."""
+    from kda_op.triton_kernels import launch
+
+    changes = {}
+    for item in filter(None, variant.split(",")):
+        n, value = item.split("=")
+        if not n.isupper() or not hasattr(launch, n):
+            raise SystemExit(f"unknown setting {n!r} in --variants {variant!r}")
+        default = getattr(launch, n)
+        changes[n] = int(value) if default is None else type(default)(value)
+
+    @contextlib.contextmanager
+    def settings():
+        saved = {n: getattr(launch, n) for n in changes}
+        for n, value in changes.items():
+            setattr(launch, n, value)
+        try:
+            yield
+        finally:
+            for n, value in saved.items():
+                setattr(launch, n, value)
+
+    return settings
 
 
 def write_table(rows, args, fla_version, csv_rows) -> None:
@@ -170,7 +213,9 @@ def write_table(rows, args, fla_version, csv_rows) -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --impl {args.impl} "
-                    f"--shapes {' '.join(args.shapes)} --rounds {args.rounds} --out {args.out}`\n\n{table}\n")
+                    f"--shapes {' '.join(args.shapes)} --rounds {args.rounds}"
+                    + (" --variants " + " ".join(f'"{v}"' for v in args.variants) if args.variants else "")
+                    + f" --out {args.out}`\n\n{table}\n")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def main() -> int:
                 continue
             if n not in defaults:
                 raise SystemExit(f"unknown setting {n!r}; launch.py has {sorted(defaults)}")
-            setattr(launch, n, type(defaults[n])(value))
+            setattr(launch, n, int(value) if defaults[n] is None else type(defaults[n])(value))
         got = results()  # compiles
         if reference is None:
             reference = got

@@ -8,6 +8,9 @@
 #   bash benchmarks/run_gpu.sh bench   # ours against fla (RESULTS.md), decode
 #                                      # (RESULTS_decode.md); SWEEP=1 adds the sequence
 #                                      # sweep, its plot and a CUDA profile
+#   CANDIDATES="A=1 B=2,C=3" bash benchmarks/run_gpu.sh candidates
+#                                      # a CUDA test subset, then launch settings
+#                                      # timed alone and against fla
 # Everything textual goes to $OUT/log.txt; results files beside it (the device tool
 # returns at most 8 files). Carry the wheels, fetched beforehand where pip works:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -92,8 +95,27 @@ bench)
         cp /tmp/traces/*/*.pt.trace.json "$OUT/" 2>/dev/null
     fi
     ;;
+candidates)
+    # One call: the CUDA tests that a kernel change most needs (fp32, fp16, opcheck,
+    # strong decay), our kernels under the candidate settings ($CANDIDATES, each
+    # checked against the defaults), then the standard shapes against fla with the
+    # candidates as variants of ours in the same process.
+    step "CUDA tests (subset)"
+    L=${TEST_LIMIT:-170}
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$OUT/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "opcheck" > "$OUT/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32 and not opcheck" > "$OUT/t3.txt" 2>&1 &
+    wait
+    for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
+    read -r -a CAND <<< "${CANDIDATES:-}"
+    step "bench_kernels.py"
+    timeout "${KERNELS_LIMIT:-110}" python3 benchmarks/bench_kernels.py --settings "" "${CAND[@]}" >> "$LOG" 2>&1
+    step "ours (and candidates) against fla"
+    timeout "${BENCH_LIMIT:-280}" python3 benchmarks/bench_chunk_kda.py --variants "${CAND[@]}" \
+        --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
+    ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"

@@ -9,6 +9,7 @@ No host synchronisation, so they can be captured in a CUDA graph.
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -77,6 +78,14 @@ BV_SCAN = 16  # 32 -> 16 on the H200: forward scan 0.39 -> 0.35 ms, backward sca
 # give a wrong dk under fp32 (see _sizes).
 BV_SCAN_FP32_OPERANDS = 32
 SCAN_WARPS = 8
+# bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
+# operands, the state and U' rounded to bf16 as they enter them (fp32
+# accumulation, fp32 state throughout), as fla's forward does; 0 keeps TF32 dots.
+SCAN_BF16_DOTS = 0
+OUTPUT_BF16_DOTS = 0
+# The output kernel's V block (None: the common BV) and warps per program
+BV_OUTPUT = None
+OUTPUT_WARPS = 8
 SCAN_STAGES = 2  # where BK <= 128; one stage above
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
 GVA_ROWS = 32
@@ -90,6 +99,10 @@ RECURRENT_MAX_T = 16
 # the H200 with these; benchmarks/bench_decode.py --settings times others.
 RECURRENT_BV = 32
 RECURRENT_WARPS = 4
+
+
+# Under Triton's interpreter (CPU CI) bf16 dots are emulated (_dot.py).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -160,6 +173,8 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         BV_SCAN=BV_SCAN if scan_operand_dtype(q.dtype) == torch.bfloat16 else BV_SCAN_FP32_OPERANDS,
         SCAN_STAGES=SCAN_STAGES if BK <= 128 else 1,
+        SCAN_BF16_DOTS=bool(SCAN_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
+        OUTPUT_BF16_DOTS=bool(OUTPUT_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
     )
 
 
@@ -283,14 +298,16 @@ def kda_fwd_triton(
         kda_state_fwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
             x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_H0=h0 is not None, DOT_PREC=prec, num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
+            HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
+            num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
     if NC > 0:
         with record_function("kda_op::fwd::output"):
-            kda_output_fwd_kernel[(triton.cdiv(V, s["BV"]), NC, B * HV)](
+            bv_out = BV_OUTPUT or s["BV"]
+            kda_output_fwd_kernel[(triton.cdiv(V, bv_out), NC, B * HV)](
                 x["qg"], x["aqk"], up, chunk_states, o, T, NC,
-                H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-                DOT_PREC=prec, num_warps=8,
+                H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
+                DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, num_warps=OUTPUT_WARPS,
             )
     return o, ht, chunk_states, intermediates
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._dot import dot_bf16
 from ._indexing import sequence_and_heads
 
 
@@ -20,7 +21,10 @@ def kda_output_fwd_kernel(
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
+    # BF16_DOTS (bf16 Qg only): S0, A_qk and U' enter the dots rounded to bf16 (fp32
+    # accumulation), the precision of the bf16 output they make.
     # The V block varies fastest over the grid: the blocks of one chunk run side by
     # side and share their loads of Qg and A_qk through L2.
     i_v = tl.program_id(0)
@@ -44,13 +48,17 @@ def kda_output_fwd_kernel(
     o_r = tl.arange(0, BT)
 
     b_qg = tl.load(qg + (o_t[:, None]) * (HV * K) + o_k[None, :],
-                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                   mask=m_t[:, None] & m_k[None, :], other=0.0)
     b_s0 = tl.load(chunk_states + o_k[:, None] * V + o_v[None, :],
                    mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
     row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
     b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-    b_o = tl.dot(b_qg, b_s0, input_precision=DOT_PREC)
-    b_o += tl.dot(b_a, b_up, input_precision=DOT_PREC)
+    if BF16_DOTS:
+        b_o = dot_bf16(b_qg, b_s0, INTERPRET)
+        b_o += dot_bf16(b_a, b_up, INTERPRET)
+    else:
+        b_o = tl.dot(b_qg.to(tl.float32), b_s0, input_precision=DOT_PREC)
+        b_o += tl.dot(b_a, b_up, input_precision=DOT_PREC)
     tl.store(o + row_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])

@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._dot import dot_bf16
 from ._indexing import sequence_and_heads
 
 
@@ -23,7 +24,11 @@ def kda_state_fwd_kernel(
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
+    BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
+    # BF16_DOTS (bf16 W and Kr only): the state and U' enter the dots rounded to
+    # bf16 (fp32 accumulation, S itself carried in fp32): half the MMA steps of TF32
+    # on the scan's serial path and no widening of W and Kr.
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -59,14 +64,21 @@ def kda_state_fwd_kernel(
         m_t = o_t < T
         row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
-        b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_up = b_u - tl.dot(b_w, b_s, input_precision=DOT_PREC)
+        b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        if BF16_DOTS:
+            b_up = b_u - dot_bf16(b_w, b_s, INTERPRET)
+        else:
+            b_up = b_u - tl.dot(b_w.to(tl.float32), b_s, input_precision=DOT_PREC)
         tl.store(up + row_v, b_up, mask=m_t[:, None] & m_v[None, :])
 
-        b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
         b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-        b_s = b_s * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kr), b_up, input_precision=DOT_PREC)
+        if BF16_DOTS:
+            b_s = b_s * tl.exp(b_glast)[:, None] + dot_bf16(tl.trans(b_kr), b_up, INTERPRET)
+        else:
+            b_s = b_s * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kr.to(tl.float32)), b_up,
+                                                          input_precision=DOT_PREC)
 
     tl.store(chunk_states + NC * cs_stride + state_off, b_s, mask=m_kv)
     tl.store(ht + state_off, b_s, mask=m_kv)
