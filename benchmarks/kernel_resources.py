@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--head-dim", type=int, default=128, help="K = V")
+    parser.add_argument("--scan-bv", type=int, default=None,
+                        help="the scans' V block (default: launch.py's at one sequence and head)")
     args = parser.parse_args(argv)
 
     import torch
@@ -59,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     K = V = args.head_dim
     q = torch.empty(1, 1, 1, K, device="meta")
     s = _sizes(q, torch.empty(1, 1, 1, V, device="meta"))
+    if args.scan_bv:
+        s["BV_SCAN"] = args.scan_bv
     x = f"*{args.dtype}"
     f32 = "*fp32"
     op = x if args.dtype == "bf16" else f32  # the scans' operand dtype (launch._operand_dtype)
@@ -78,10 +82,12 @@ def main(argv: list[str] | None = None) -> int:
          L.INTRA_WU_FWD_WARPS, 3),
         (state_fwd.kda_state_fwd_kernel,
          dict(kr=op, w=op, u=f32, gam=f32, h0=f32, up=f32, chunk_states=f32, ht=f32, **ints),
-         dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_H0=True, DOT_PREC=prec), L.SCAN_WARPS, s["SCAN_STAGES"]),
+         dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_H0=True, DOT_PREC=prec,
+              BF16_DOTS=L.SCAN_BF16_DOTS and args.dtype == "bf16"), L.SCAN_WARPS, s["SCAN_STAGES"]),
         (output_fwd.kda_output_fwd_kernel,
          dict(qg=op, aqk=f32, up=f32, chunk_states=f32, o=x, **ints),
-         dict(common, BK=s["BK"], BV=s["BV"], DOT_PREC=prec), 8, 3),
+         dict(common, BK=s["BK"], BV=L.BV_OUTPUT or s["BV"], DOT_PREC=prec,
+              BF16_DOTS=L.OUTPUT_BF16_DOTS and args.dtype == "bf16"), L.OUTPUT_WARPS, 3),
         (state_bwd.kda_state_bwd_prep_kernel,
          dict(qg=op, w=op, u=f32, aqk=f32, chunk_states=f32, do=x, up=f32, dup=f32, dchunk_states=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV"], HAS_UP=True, DOT_PREC=prec), 8, 3),

@@ -89,7 +89,8 @@ def test_cuda_half_precision_matches_reference(dtype):
     assert got[0].dtype == dtype and got[1].dtype == torch.float32
     for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         # Outputs and grads are rounded to bf16/fp16 (eps 2^-8 / 2^-11) and the
-        # dots run in TF32 (2^-11): a relative error of 1e-2 is that rounding.
+        # dots run in TF32 (2^-11), the output's in bf16 for bf16 inputs
+        # (launch.OUTPUT_BF16_DOTS): a relative error of 1e-2 is that rounding.
         assert _rel_err(a, b) < 1e-2, (name, _rel_err(a, b))
 
 

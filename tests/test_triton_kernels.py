@@ -157,6 +157,20 @@ def test_triton_tm_row_loads(T, monkeypatch):
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=4)
 
 
+
+def test_triton_scans_take_bigger_v_blocks_when_programs_overflow_a_wave(monkeypatch):
+    """Where B * HV * (V blocks) programs would overflow one wave of SMs, the scans
+    double their V block (up to launch.BV_SCAN_MAX); forced here with one SM, at a
+    V that leaves a partial block, forward and backward still match the reference."""
+    from kda_op.triton_kernels import launch
+
+    monkeypatch.setattr(launch, "SCAN_SMS", 1)
+    inputs = _inputs(1, CHUNK_SIZE + 5, 1, 2, 32, 80, True, seed=21)
+    assert launch._sizes(inputs["q"], inputs["v"])["BV_SCAN"] == launch.BV_SCAN_MAX == 64
+    _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=22)
+    monkeypatch.setattr(launch, "SCAN_SMS", None)  # the device's (or the H200's) count: 2 heads fit
+    assert launch._sizes(inputs["q"], inputs["v"])["BV_SCAN"] == launch.BV_SCAN_FP32_OPERANDS
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks the interpreter's accesses")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,T,H,G,K,V", [

@@ -8,6 +8,7 @@ No host synchronisation, so they can be captured in a CUDA graph.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from typing import Optional
@@ -77,15 +78,30 @@ BV_SCAN = 16  # 32 -> 16 on the H200: forward scan 0.39 -> 0.35 ms, backward sca
 # had passed earlier that day, and a V block of 16 is the one earlier seen to
 # give a wrong dk under fp32 (see _sizes).
 BV_SCAN_FP32_OPERANDS = 32
+# ... the smallest of those, doubled up to BV_SCAN_MAX, that keeps the scan's
+# programs within one wave (one per SM): a scan program is a serial chain, so a
+# second wave doubles the scan's time. At B2-T8192-H8-HV32 (64 heads) a V block of
+# 16 made 512 programs, four waves on the H200's 132 SMs: forward 3.6 ms where
+# fla took 1.76 (2026-11-30). SCAN_SMS: None counts the device's SMs; under the
+# interpreter (CPU CI), the H200's 132.
+BV_SCAN_MAX = 64
+SCAN_SMS = None
 SCAN_WARPS = 8
 # bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
 # operands, the state and U' rounded to bf16 as they enter them (fp32
 # accumulation, fp32 state throughout), as fla's forward does; 0 keeps TF32 dots.
+# On the H200 (B1-T8192-H16, 2026-11-30, bench_kernels.py): the output kernel
+# 0.199 -> 0.091 ms with o within 3.3e-3 (relative) of the TF32 one, the level of
+# its own bf16 rounding (o's relative difference to fla stays 4.0e-3): on. The
+# scan 0.357 -> 0.289 ms, but the carried fp32 state then moves 2.5e-3 -> 3.1e-3
+# from fla's: off, the state being what decoding carries on from.
 SCAN_BF16_DOTS = 0
-OUTPUT_BF16_DOTS = 0
-# The output kernel's V block (None: the common BV) and warps per program
+OUTPUT_BF16_DOTS = 1
+# The output kernel's V block (None: the common BV) and warps per program: 8 -> 4
+# warps 0.199 -> 0.130 ms (same run; 0.091 -> 0.074 with bf16 dots). A V block of
+# 128 (one program per chunk) was slower: 0.206.
 BV_OUTPUT = None
-OUTPUT_WARPS = 8
+OUTPUT_WARPS = 4
 SCAN_STAGES = 2  # where BK <= 128; one stage above
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
 GVA_ROWS = 32
@@ -158,6 +174,23 @@ def _check_grid(B: int, HV: int, T: Optional[int]) -> None:
         )
 
 
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter: the H200's, so that CPU CI takes the H200's choices
+
+
+def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int) -> int:
+    """The scans' V block: from ``bv_min``, doubled while the programs
+    (B * HV * V blocks) overflow one wave and a bigger block still splits V."""
+    sms = SCAN_SMS or _sm_count(device)
+    bv = bv_min
+    while bv < min(BV_SCAN_MAX, triton.next_power_of_2(V)) and B * HV * triton.cdiv(V, bv) > sms:
+        bv *= 2
+    return bv
+
+
 def _sizes(q: Tensor, v: Tensor) -> dict:
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -171,7 +204,8 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         NC=triton.cdiv(T, BT),
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
-        BV_SCAN=BV_SCAN if scan_operand_dtype(q.dtype) == torch.bfloat16 else BV_SCAN_FP32_OPERANDS,
+        BV_SCAN=_scan_block_v(B, HV, V, q.device, BV_SCAN if scan_operand_dtype(q.dtype) == torch.bfloat16
+                              else BV_SCAN_FP32_OPERANDS),
         SCAN_STAGES=SCAN_STAGES if BK <= 128 else 1,
         SCAN_BF16_DOTS=bool(SCAN_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
         OUTPUT_BF16_DOTS=bool(OUTPUT_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
