@@ -25,8 +25,11 @@ from bench_chunk_kda import SHAPES, make_inputs
 # Most informative first (a time limit cuts the tail): the kept intermediates
 # against recomputing them; then the scans, which are sequential (narrower V
 # blocks, fewer warps or deeper prefetch may shorten them); then the warps.
-DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "TM_ROW_LOADS=0", "BV_SCAN=32", "SCAN_WARPS=4", "SCAN_STAGES=3", "INTRA_BWD_A_WARPS=8",
-                    "INTRA_WU_FWD_WARPS_BF16=4", "INTRA_A_FWD_WARPS=8", "INTRA_BWD_W_WARPS=8,INTRA_BWD_WARPS=8"]
+# The next candidates: K slices that end the register spills kernel_resources.py
+# reports at the defaults (intra_a_fwd 1.4 KB at BKA = 64, 44 B at 32; intra_bwd_w
+# 332 B at BKS = 32, 44 B at 16; intra_bwd_a 251 registers at BKD_A = 32, 168 at 16).
+DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BKA=32", "BKS=16", "BKD_A=16", "BKA=32,BKS=16,BKD_A=16",
+                    "SCAN_BF16_DOTS=1", "INTRA_BWD_WARPS=8"]
 
 
 def kernel_times(step, grads_of=(), reps: int = 5) -> dict:

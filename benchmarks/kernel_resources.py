@@ -59,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     K = V = args.head_dim
-    q = torch.empty(1, 1, 1, K, device="meta")
-    s = _sizes(q, torch.empty(1, 1, 1, V, device="meta"))
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    q = torch.empty(1, 1, 1, K, device="meta", dtype=dtype)
+    s = _sizes(q, torch.empty(1, 1, 1, V, device="meta", dtype=dtype))
     if args.scan_bv:
         s["BV_SCAN"] = args.scan_bv
     x = f"*{args.dtype}"
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         (intra_wu_fwd.kda_intra_wu_fwd_kernel,
          dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=f32, tm=f32, **ints),
          dict(common, BC=BC, BK=s["BK"], BV=s["BV"], STORE_TM=True, DOT_PREC=prec, TM_ROW_LOADS=L.TM_ROW_LOADS),
-         L.INTRA_WU_FWD_WARPS, 3),
+         L.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else L.INTRA_WU_FWD_WARPS, 3),
         (state_fwd.kda_state_fwd_kernel,
          dict(kr=op, w=op, u=f32, gam=f32, h0=f32, up=f32, chunk_states=f32, ht=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_H0=True, DOT_PREC=prec,
