@@ -7,14 +7,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _round_to_bf16_as_fp32(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), kept in fp32: what
+    the GPU's conversion gives (finite inputs). The interpreter's own fp32 -> bf16
+    cast truncates instead, which would overstate the rounding error."""
+    bits = x.to(tl.float32).to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def dot_bf16(a, b, INTERPRET: tl.constexpr):
     """``a @ b`` with both operands rounded to bf16, accumulated in fp32. Triton's
     interpreter multiplies the raw bit patterns of bf16 operands
     (triton-lang/triton#11584, unsupported there), so under it (``INTERPRET``) the
-    rounded operands are widened back and multiplied in IEEE fp32: the same
-    products, so CPU CI checks where the rounding happens."""
+    operands are rounded in fp32 and multiplied in IEEE fp32: the same products,
+    so CPU CI checks where the rounding happens and what it costs."""
     if INTERPRET:
-        return tl.dot(a.to(tl.bfloat16).to(tl.float32), b.to(tl.bfloat16).to(tl.float32),
-                      input_precision="ieee")
+        return tl.dot(_round_to_bf16_as_fp32(a), _round_to_bf16_as_fp32(b), input_precision="ieee")
     else:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._dot import dot_bf16
 from ._indexing import sequence_and_heads
 
 
@@ -23,7 +24,10 @@ def kda_intra_wu_fwd_kernel(
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
+    BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
+    # BF16_DOTS (bf16 inputs): W and U from Tm and their right-hand sides rounded to
+    # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -90,12 +94,18 @@ def kda_intra_wu_fwd_kernel(
                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     # gam is reloaded rather than kept live through the inverse (register pressure).
     b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-    b_w = tl.dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), input_precision=DOT_PREC)
+    if BF16_DOTS:
+        b_w = dot_bf16(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), INTERPRET)
+    else:
+        b_w = tl.dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), input_precision=DOT_PREC)
     tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         p_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_u = tl.dot(b_tm, b_beta[:, None] * b_v, input_precision=DOT_PREC)
+        if BF16_DOTS:
+            b_u = dot_bf16(b_tm, b_beta[:, None] * b_v, INTERPRET)
+        else:
+            b_u = tl.dot(b_tm, b_beta[:, None] * b_v, input_precision=DOT_PREC)
         tl.store(u + p_v, b_u, mask=m_t[:, None] & m_v[None, :])

@@ -97,6 +97,11 @@ SCAN_WARPS = 8
 # from fla's: off, the state being what decoding carries on from.
 SCAN_BF16_DOTS = 0
 OUTPUT_BF16_DOTS = 1
+# Untimed candidates of the same kind (bf16 inputs; 0 = TF32 dots): the backward
+# scan's two dots, and intra_wu_fwd's W = Tm (...) and U = Tm (...) (W is stored
+# in bf16 anyway).
+BWD_SCAN_BF16_DOTS = 0
+WU_BF16_DOTS = 0
 # The output kernel's V block (None: the common BV) and warps per program: 8 -> 4
 # warps 0.199 -> 0.130 ms (same run; 0.091 -> 0.074 with bf16 dots). A V block of
 # 128 (one program per chunk) was slower: 0.206.
@@ -209,6 +214,8 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         SCAN_STAGES=SCAN_STAGES if BK <= 128 else 1,
         SCAN_BF16_DOTS=bool(SCAN_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
         OUTPUT_BF16_DOTS=bool(OUTPUT_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
+        BWD_SCAN_BF16_DOTS=bool(BWD_SCAN_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
+        WU_BF16_DOTS=bool(WU_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
     )
 
 
@@ -246,6 +253,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         k, v, beta, gam, akk, w, u, tm, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=s["BV"],
         STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=TM_ROW_LOADS,
+        BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET,
         num_warps=INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else INTRA_WU_FWD_WARPS,
     )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
@@ -401,7 +409,8 @@ def kda_bwd_triton(
             dup, dchunk_states, dh0,
             T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_DHT=dht is not None, DOT_PREC=prec, num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
+            HAS_DHT=dht is not None, DOT_PREC=prec, BF16_DOTS=s["BWD_SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
+            num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
 
     dq_e = torch.empty(B, T, HV, K, **f32)
