@@ -5,7 +5,8 @@ Costs no device time: Triton compiles for a named target here, and its bundled
 ptxas reports the resources. Shared memory above 227 KB (232448 bytes) does not
 launch on the H200; spills mean local-memory traffic.
 
-    python benchmarks/kernel_resources.py [--dtype bf16|fp32] [--head-dim 128]
+    python benchmarks/kernel_resources.py [--dtype bf16|fp32] [--head-dim 128] [--set BKA=32]
+    python benchmarks/kernel_resources.py --sass [--only intra_wu]   # instruction counts
 """
 
 from __future__ import annotations
@@ -30,11 +31,47 @@ TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 
 
+def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
+    return triton.compile(ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
+                                    constexprs=constexprs),
+                          target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+# SASS opcodes worth counting: tensor-core, FP32, special-function, global, shared
+# and local (spill) memory, barriers, shuffles.
+SASS_OPS = ("HGMMA", "HMMA", "FFMA", "FMUL", "FADD", "MUFU", "LDG", "STG", "LDS", "LDSM", "STS", "LDL", "STL",
+            "BAR", "SHFL")
+
+
+def sass_summary(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    """Static SASS instruction counts of a kernel (all, and by SASS_OPS) and the
+    length of each loop body (a backward branch): where a program's instructions
+    go, before multiplying by trip counts."""
+    kernel = _compile(fn, signature, constexprs, num_warps, num_stages)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(kernel.asm["cubin"])
+    sass = subprocess.run([os.path.join(os.path.dirname(PTXAS), "cuobjdump"), "-sass", f.name],
+                          capture_output=True, text=True).stdout
+    os.unlink(f.name)
+    lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]
+    ops: dict = {}
+    loops = []
+    for ln in lines:
+        m = re.search(r"\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_]*)", ln)
+        if m:
+            ops[m.group(1)] = ops.get(m.group(1), 0) + 1
+        here = int(re.search(r"/\*([0-9a-f]{4,})\*/", ln).group(1), 16)
+        target = re.search(r"BRA\s+(?:\S+\s+)?(?:`\(\.L_x_\d+\)|0x([0-9a-f]+))", ln)
+        if target and target.group(1) and int(target.group(1), 16) < here:
+            loops.append((here - int(target.group(1), 16)) // 16 + 1)
+    counts = ", ".join(f"{op} {ops[op]}" for op in SASS_OPS if ops.get(op))
+    body = f"; loop bodies {loops}" if loops else ""
+    return f"{fn.__name__:28s} warps {num_warps}: {len(lines)} instructions ({counts}){body}"
+
+
 def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
     start = time.time()
-    kernel = triton.compile(ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                                      constexprs=constexprs),
-                            target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    kernel = _compile(fn, signature, constexprs, num_warps, num_stages)
     seconds = time.time() - start
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(kernel.asm["ptx"])
@@ -54,7 +91,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dim", type=int, default=128, help="K = V")
     parser.add_argument("--scan-bv", type=int, default=None,
                         help="the scans' V block (default: launch.py's at one sequence and head)")
+    parser.add_argument("--sass", action="store_true",
+                        help="static SASS instruction counts and loop-body lengths instead of resources")
+    parser.add_argument("--only", default=None, help="only kernels whose name contains this")
+    parser.add_argument("--set", nargs="*", default=[],
+                        help="launch.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
     args = parser.parse_args(argv)
+    for item in args.set:
+        name, value = item.split("=")
+        if not name.isupper() or not hasattr(L, name):
+            raise SystemExit(f"unknown setting {name!r}")
+        setattr(L, name, int(value))
 
     import torch
 
@@ -117,9 +164,11 @@ def main(argv: list[str] | None = None) -> int:
          dict(q=x, k=x, v=x, g=f32, beta=x, h0=f32, o=x, ht=f32, scale="fp32", T="i32", H="i32", HV="i32"),
          dict(K=K, V=V, BK=s["BK"], BV=32, HAS_H0=True), 4, 3),
     ]
-    print(f"{args.dtype} inputs, K = V = {K}, sm_90a")
+    print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))
+    report = sass_summary if args.sass else resources
     for fn, sig, const, warps, stages in runs:
-        print(resources(fn, sig, const, warps, stages), flush=True)
+        if args.only is None or args.only in fn.__name__:
+            print(report(fn, sig, const, warps, stages), flush=True)
     return 0
 
 
