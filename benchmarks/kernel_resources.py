@@ -32,9 +32,12 @@ PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bi
 
 
 def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if fn.__name__ == "kda_intra_a_fwd_kernel" and L.INTRA_A_FWD_MAXNREG:
+        options["maxnreg"] = L.INTRA_A_FWD_MAXNREG
     return triton.compile(ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
                                     constexprs=constexprs),
-                          target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+                          target=TARGET, options=options)
 
 
 # SASS opcodes worth counting: tensor-core, FP32, special-function, global, shared

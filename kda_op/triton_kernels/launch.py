@@ -59,6 +59,11 @@ INTRA_BWD_A_WARPS = 4
 TM_ROW_LOADS = 1
 # K slices of the forward's A's (intra_a_fwd.py): bounded shared memory at any K
 BKA = 64
+# A cap on intra_a_fwd's registers per thread (None: the compiler's choice, 255 at
+# every BKA). The kernel moves ~160 KB per program at two CTAs per SM, which looks
+# latency-bound; kernel_resources.py: at BKA = 16, 168 registers (3 CTAs per SM)
+# spill 12 B and 128 (4 CTAs) 192 B. Untimed.
+INTRA_A_FWD_MAXNREG = None
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
 BKS = 32
@@ -244,6 +249,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
     kda_intra_a_fwd_kernel[(NC, B * HV)](
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, num_warps=INTRA_A_FWD_WARPS,
+        maxnreg=INTRA_A_FWD_MAXNREG,
     )
     kda_intra_a_fwd_steep_kernel[(NC, B * HV)](
         q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
