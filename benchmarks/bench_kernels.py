@@ -1,10 +1,10 @@
 """Time each of our kernels (torch.profiler, CUDA time per forward+backward step)
 under other values of the launch settings in kda_op/triton_kernels/launch.py, on
-the first standard shape (B1-T8192-H16, bf16, K = V = 128), and check that every
+a standard shape (default B1-T8192-H16; bf16, K = V = 128), and check that every
 setting computes what the defaults do (relative difference of o, the final state
 and the six grads). Needs a CUDA GPU; no fla.
 
-    python benchmarks/bench_kernels.py [--settings "" "BV_SCAN=16" "INTRA_A_FWD_WARPS=4,INTRA_WU_FWD_WARPS=4"]
+    python benchmarks/bench_kernels.py [--shape B2-T8192-H8-HV32] [--settings "" "BV_SCAN=16" "SCAN_WARPS=4"]
 
 The empty setting is the defaults; it always runs first. The pseudo-setting
 RECOMPUTE=1 runs chunk_kda(recompute_in_backward=True): the backward recomputes
@@ -56,12 +56,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
                         help="comma-separated NAME=VALUE of launch.py's upper-case settings, one string per run")
+    parser.add_argument("--shape", default=SHAPES[0][0], choices=[name for name, *_ in SHAPES],
+                        help="which standard shape to time")
     args = parser.parse_args()
 
     from kda_op import chunk_kda
     from kda_op.triton_kernels import launch
 
-    name, B, T, H, HV = SHAPES[0]
+    name, B, T, H, HV = next(shape for shape in SHAPES if shape[0] == args.shape)
     inputs, do = make_inputs(B, T, H, HV)
     q, k, v, g, beta, h0 = inputs
     defaults = {n: getattr(launch, n) for n in dir(launch) if n.isupper()}

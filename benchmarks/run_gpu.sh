@@ -10,7 +10,8 @@
 #                                      # sweep, its plot and a CUDA profile
 #   CANDIDATES="A=1 B=2,C=3" bash benchmarks/run_gpu.sh candidates
 #                                      # a CUDA test subset, then launch settings
-#                                      # timed alone and against fla
+#                                      # timed alone (KERNELS_SHAPE, default B1)
+#                                      # and against fla
 # Everything textual goes to $OUT/log.txt; results files beside it (the device tool
 # returns at most 8 files). Carry the wheels, fetched beforehand where pip works:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
@@ -109,7 +110,8 @@ candidates)
     for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
     read -r -a CAND <<< "${CANDIDATES:-}"
     step "bench_kernels.py"
-    timeout "${KERNELS_LIMIT:-110}" python3 benchmarks/bench_kernels.py --settings "" "${CAND[@]}" >> "$LOG" 2>&1
+    timeout "${KERNELS_LIMIT:-110}" python3 benchmarks/bench_kernels.py --shape "${KERNELS_SHAPE:-B1-T8192-H16}" \
+        --settings "" "${CAND[@]}" >> "$LOG" 2>&1
     step "ours (and candidates) against fla"
     timeout "${BENCH_LIMIT:-280}" python3 benchmarks/bench_chunk_kda.py --variants "${CAND[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
