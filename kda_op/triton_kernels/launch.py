@@ -92,6 +92,7 @@ BV_SCAN_FP32_OPERANDS = 32
 BV_SCAN_MAX = 64
 SCAN_SMS = None
 SCAN_WARPS = 8
+SCAN_STAGES = 2  # where BK <= 128; one stage above
 # bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
 # operands, the state and U' rounded to bf16 as they enter them (fp32
 # accumulation, fp32 state throughout), as fla's forward does; 0 keeps TF32 dots.
@@ -112,7 +113,6 @@ WU_BF16_DOTS = 0
 # 128 (one program per chunk) was slower: 0.206.
 BV_OUTPUT = None
 OUTPUT_WARPS = 4
-SCAN_STAGES = 2  # where BK <= 128; one stage above
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
 GVA_ROWS = 32
 # Sequences up to this length (decode steps and short prompts through chunk_kda)
