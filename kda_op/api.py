@@ -10,6 +10,7 @@ from torch import Tensor
 from . import ops as _ops  # noqa: F401  (defines the ops and their autograd)
 from . import meta as _meta  # noqa: F401  (registers the fake kernels; needs the ops)
 from ._checks import check_bool, check_kda_inputs
+from ._contract import chunked_kernels_serve
 
 
 def chunk_kda(
@@ -59,7 +60,9 @@ def chunk_kda(
     under ``torch.compile(fullgraph=True)`` and ``torch.export``. No input is
     modified. On CUDA, sequences of at most 16 tokens run the token-by-token
     kernel of :func:`fused_recurrent_kda` (one launch) and longer ones the chunked
-    kernels.
+    kernels; under ``torch.export`` on CUDA the op is
+    ``kda_op::chunk_kda_fwd_export``, whose kernels AOTInductor compiles into its
+    packages (needs T >= 1).
 
     Raises:
         TypeError: a non-tensor argument, an integer/bool dtype, or q/k/v dtypes
@@ -69,6 +72,13 @@ def chunk_kda(
     """
     check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state)
     check_bool("recompute_in_backward", recompute_in_backward)
+    if torch.compiler.is_exporting() and chunked_kernels_serve(q.device.type, q.dtype):
+        # torch.export on CUDA: the forward whose kernels AOTInductor can compile
+        # into a package (kda_op.ops.chunk_kda_fwd_export).
+        o, final_state, _ = torch.ops.kda_op.chunk_kda_fwd_export(
+            q, k, v, g, beta, None if scale is None else float(scale), initial_state
+        )
+        return o, (final_state if output_final_state else None)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
     )

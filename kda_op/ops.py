@@ -119,6 +119,53 @@ def _chunk_kda_bwd_cuda(q, k, v, g, beta, scale, initial_state, chunk_states, do
     return kda_bwd_triton(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates)
 
 
+# For deployment: the CUDA forward as a triton_op, whose body (host code and
+# Triton launches) torch.export records as one op node and AOTInductor traces into,
+# compiling the kernels into the package, so that a process loading the package
+# need not import kda_op. chunk_kda calls it on CUDA while torch.export traces
+# (torch.compiler.is_exporting()); everywhere else the ops above serve.
+@torch.library.triton_op(f"{NAMESPACE}::chunk_kda_fwd_export", mutates_args=())
+def chunk_kda_fwd_export(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    initial_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """KDA forward on the chunked Triton kernels (CUDA, fp32/bf16/fp16 inputs, T >= 1):
+    ``(o, final_state, chunk_states)`` as ``chunk_kda_fwd`` without the kept
+    intermediates; host code that tracing can follow (see
+    ``kda_op.triton_kernels.launch.kda_fwd_triton_export``)."""
+    from .triton_kernels.launch import kda_fwd_triton_export
+
+    return kda_fwd_triton_export(q, k, v, g, beta, scale, initial_state)
+
+
+def _export_setup_context(ctx, inputs, output) -> None:
+    q, k, v, g, beta, scale, initial_state = inputs
+    ctx.scale = scale
+    ctx.has_initial_state = initial_state is not None
+    ctx.mark_non_differentiable(output[2])
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, output[2])
+
+
+def _export_backward(ctx, do: Optional[Tensor], dht: Optional[Tensor], _dchunk_states):
+    # An exported training graph: the backward recomputes the intra-chunk stage.
+    q, k, v, g, beta, initial_state, chunk_states = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(v)
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.kda_op.chunk_kda_bwd(
+        q, k, v, g, beta, ctx.scale, initial_state, chunk_states, do, dht, None
+    )
+    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None)
+
+
+chunk_kda_fwd_export.register_autograd(_export_backward, setup_context=_export_setup_context)
+
+
 @torch.library.custom_op(f"{NAMESPACE}::fused_recurrent_kda_fwd", mutates_args=(), device_types="cpu")
 def fused_recurrent_kda_fwd(
     q: Tensor,

@@ -149,30 +149,36 @@ _FRESH = textwrap.dedent(
 )
 
 
-def _check_package_in_fresh_process(model, package, ids, tmp_path, tol):
+def _check_package_in_fresh_process(model, package, ids, tmp_path, tol, needs_import: bool):
     """The package, loaded in a fresh process that imports kda_op, gives the eager
-    model's logits on ids; without the import it fails naming kda_op: the package
-    calls the op through the dispatcher, and kda_op's ops are Python custom ops with
-    no C++ schema (DESIGN.md section 5). This documents that requirement."""
+    model's logits on ids. Without the import: where ``needs_import`` (CPU: the
+    package calls the op through the dispatcher, and kda_op's ops are Python custom
+    ops with no C++ schema, DESIGN.md section 5) it fails naming kda_op; otherwise
+    (CUDA: the export op's kernels are compiled into the package) it gives the same
+    logits."""
     ids_path = tmp_path / "ids.pt"
     torch.save(ids, ids_path)
     script = tmp_path / "run_package.py"
     script.write_text(_FRESH)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    run = _run_fresh(script, package, ids_path, "import", env)
-    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
     with torch.no_grad():
         want, _ = model(ids)
-    got = torch.load(str(ids_path) + ".out").to(want.device)
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+    run = _run_fresh(script, package, ids_path, "import", env)
+    assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
+    torch.testing.assert_close(torch.load(str(ids_path) + ".out").to(want.device), want, rtol=tol, atol=tol)
     run = _run_fresh(script, package, ids_path, "no-import", env)
-    assert run.returncode != 0 and "kda_op" in run.stderr, (run.returncode, run.stderr[-2000:])
+    if needs_import:
+        assert run.returncode != 0 and "kda_op" in run.stderr, (run.returncode, run.stderr[-2000:])
+    else:
+        assert run.returncode == 0, (run.returncode, run.stderr[-3000:])
+        torch.testing.assert_close(torch.load(str(ids_path) + ".out").to(want.device), want, rtol=tol, atol=tol)
 
 
 def test_aoti_package_runs_in_a_fresh_process(tmp_path):
     model = _model().eval()
     package = _aoti_package(_export(model), str(tmp_path / "kda_lm_aoti.pt2"))
-    _check_package_in_fresh_process(model, package, torch.randint(0, VOCAB, (3, 41)), tmp_path, tol=1e-5)
+    _check_package_in_fresh_process(model, package, torch.randint(0, VOCAB, (3, 41)), tmp_path, tol=1e-5,
+                                    needs_import=True)
 
 
 def test_training_loss_falls():
@@ -214,16 +220,19 @@ def test_cuda_model_compile_fullgraph_equals_eager():
 
 @pytest.mark.gpu
 def test_cuda_model_export_and_aoti(tmp_path):
-    """On the GPU: the exported model runs as an AOTInductor package in a fresh
-    process. That process imports kda_op: the CUDA kernels are registered on
-    Python custom ops, which the package calls through the dispatcher (the
-    no-import run records that requirement). Split from the compile test so that
-    a runner's time limit shows which part is slow (this one stalled past 150 s)."""
+    """On the GPU: torch.export records the KDA forward as the triton_op
+    ``kda_op::chunk_kda_fwd_export``; the AOTInductor package compiles its kernels
+    in, so a fresh process runs it without importing kda_op, equal to eager (and
+    with the import too). Split from the compile test so that a runner's time limit
+    shows which part is slow (the combined test ran past 150 s)."""
     model = _model().cuda().eval()
     batch = torch.export.Dim("batch", min=1, max=1024)
     seq = torch.export.Dim("seq", min=1, max=8192)
     ep = torch.export.export(model, (torch.randint(0, VOCAB, (2, 70), device="cuda"),),
                              dynamic_shapes=({0: batch, 1: seq},))
+    targets = {str(node.target) for node in ep.graph.nodes if node.op == "call_function"}
+    assert "kda_op.chunk_kda_fwd_export.default" in targets, sorted(targets)
+    assert "kda_op.chunk_kda_fwd.default" not in targets
     package = _aoti_package(ep, str(tmp_path / "kda_lm_cuda.pt2"))
     ids = torch.randint(0, VOCAB, (3, 41), device="cuda")
-    _check_package_in_fresh_process(model, package, ids, tmp_path, tol=1e-4)
+    _check_package_in_fresh_process(model, package, ids, tmp_path, tol=1e-4, needs_import=False)

@@ -325,3 +325,35 @@ def test_triton_short_sequences_route_to_the_recurrent_kernel(T, with_h0, monkey
     grads_ref = kda_backward_reference(*args, None, h0, cs_ref, do, None)
     for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
         _rel_close(got, want, name)
+
+
+@pytest.mark.parametrize("T,with_h0", [(7, True), (2 * CHUNK_SIZE + 5, False), (CHUNK_SIZE + 3, True)])
+def test_triton_export_op_matches_the_forward_and_the_reference(T, with_h0):
+    """``kda_op::chunk_kda_fwd_export`` (the triton_op that torch.export records on
+    CUDA) run eagerly: always the chunked kernels, bitwise the chunked forward's
+    results where that is chunked too, the reference's within fp32 tolerances, and
+    grads (through chunk_kda_bwd) equal to the reference's."""
+    import kda_op  # noqa: F401  (registers the ops)
+    from kda_op.triton_kernels import launch
+
+    inputs = _inputs(1, T, 1, 2, 32, 20, with_h0, seed=T)
+    args = [inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+    o, ht, cs = torch.ops.kda_op.chunk_kda_fwd_export(*args, None, h0)
+    o_ref, ht_ref, cs_ref = kda_forward_reference(*args, None, h0)
+    _rel_close(o, o_ref, "o")
+    _rel_close(ht, ht_ref, "final_state")
+    _rel_close(cs, cs_ref, "chunk_states")
+    if T > launch.RECURRENT_MAX_T:
+        o2, ht2, cs2, _ = kda_fwd_triton(*args, None, h0)
+        assert torch.equal(o, o2) and torch.equal(ht, ht2) and torch.equal(cs, cs2)
+
+    leaves = [x.clone().requires_grad_(True) for x in args] + ([h0.clone().requires_grad_(True)] if with_h0 else [])
+    o, ht, _ = torch.ops.kda_op.chunk_kda_fwd_export(*leaves[:5], None, leaves[5] if with_h0 else None)
+    gen = torch.Generator().manual_seed(T)
+    do = torch.randn(o.shape, generator=gen).to(DEVICE)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
+    torch.autograd.backward((o, ht), (do, dht))
+    grads_ref = kda_backward_reference(*args, None, h0, cs_ref, do, dht)
+    for name, leaf, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves, grads_ref):
+        _rel_close(leaf.grad, want, name)

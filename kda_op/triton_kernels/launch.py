@@ -201,7 +201,21 @@ def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int) ->
     return bv
 
 
-def _sizes(q: Tensor, v: Tensor) -> dict:
+def _kernel(fn, traced: bool):
+    """``fn``, or for host code that torch.export and inductor trace into (the
+    export op), ``fn`` wrapped so the launch is captured as a graph node. Outside
+    tracing the wrapped kernel launches as it is."""
+    if traced:
+        from torch.library import wrap_triton
+
+        return wrap_triton(fn)
+    return fn
+
+
+def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None) -> dict:
+    """Sizes and block shapes of one call. ``scan_batch`` stands in for B when the
+    scans' V block is chosen (the export op: no branch on a batch size that stays
+    symbolic)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_offsets(T, HV, K, V)
@@ -214,8 +228,8 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
         NC=triton.cdiv(T, BT),
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
-        BV_SCAN=_scan_block_v(B, HV, V, q.device, BV_SCAN if scan_operand_dtype(q.dtype) == torch.bfloat16
-                              else BV_SCAN_FP32_OPERANDS),
+        BV_SCAN=_scan_block_v(B if scan_batch is None else scan_batch, HV, V, q.device,
+                              BV_SCAN if scan_operand_dtype(q.dtype) == torch.bfloat16 else BV_SCAN_FP32_OPERANDS),
         SCAN_STAGES=SCAN_STAGES if BK <= 128 else 1,
         SCAN_BF16_DOTS=bool(SCAN_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
         OUTPUT_BF16_DOTS=bool(OUTPUT_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
@@ -224,7 +238,7 @@ def _sizes(q: Tensor, v: Tensor) -> dict:
     )
 
 
-def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] = None):
+def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] = None, traced: bool = False):
     """Stage 1 of the forward (and of the backward's recompute): gam, the A's, Tm
     (when ``store_tm``), W, U, Qg, Kr and the steep flags, into the tensors of
     ``out`` where given (views of the kept intermediates), else fresh ones."""
@@ -245,17 +259,18 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             tm=torch.empty(B, T, HV, BT, **f32) if store_tm else None,
         )
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
-    tm = out["tm"] if store_tm else akk  # akk: an unused placeholder
+    tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
-    kda_intra_a_fwd_kernel[(NC, B * HV)](
+    regs = {} if INTRA_A_FWD_MAXNREG is None else dict(maxnreg=INTRA_A_FWD_MAXNREG)
+    _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, num_warps=INTRA_A_FWD_WARPS,
-        maxnreg=INTRA_A_FWD_MAXNREG,
+        **regs,
     )
-    kda_intra_a_fwd_steep_kernel[(NC, B * HV)](
+    _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
         q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
         BC=BC, BKS=BKS, num_warps=4,
     )
-    kda_intra_wu_fwd_kernel[(NC, B * HV)](
+    _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
         k, v, beta, gam, akk, w, u, tm, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=s["BV"],
         STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=TM_ROW_LOADS,
@@ -358,6 +373,46 @@ def kda_fwd_triton(
                 DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, num_warps=OUTPUT_WARPS,
             )
     return o, ht, chunk_states, intermediates
+
+
+def kda_fwd_triton_export(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    scale: Optional[float], initial_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunked forward as host code that torch.export and inductor can trace
+    (the body of ``kda_op::chunk_kda_fwd_export``): ``(o, final_state,
+    chunk_states)``. Every launch goes through ``wrap_triton`` and nothing branches
+    on a size that may stay symbolic: always the chunked kernels (no recurrent
+    routing of short sequences), the scans' V block chosen for one sequence, no
+    profiler ranges, nothing kept for the backward. Needs T >= 1 and B * HV >= 1.
+    The same kernels with the same settings as ``kda_fwd_triton`` (up to the scans'
+    V block), so the same numbers."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    s = _sizes(q, v, scan_batch=1)
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    scale = K**-0.5 if scale is None else float(scale)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    h0 = None if initial_state is None else initial_state.contiguous()
+    prec = _dot_precision(q.dtype)
+
+    chunk_states = torch.empty(B, NC + 1, HV, K, V, **f32)
+    ht = torch.empty(B, HV, K, V, **f32)
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True)
+    up = torch.empty(B, T, HV, V, **f32)
+    _kernel(kda_state_fwd_kernel, True)[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
+        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
+        HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
+        num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
+    )
+    bv_out = BV_OUTPUT or s["BV"]
+    _kernel(kda_output_fwd_kernel, True)[(triton.cdiv(V, bv_out), NC, B * HV)](
+        x["qg"], x["aqk"], up, chunk_states, o, T, NC,
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
+        DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, num_warps=OUTPUT_WARPS,
+    )
+    return o, ht, chunk_states
 
 
 def kda_bwd_triton(
