@@ -117,8 +117,11 @@ def test_too_long_a_sequence_is_refused_not_wrapped():
     from kda_op.triton_kernels.launch import _check_offsets
 
     _check_offsets(65536, 32, 128, 128)  # 2^28: served
+    _check_offsets(8191 * 64, 32, 128, 128)  # padded extent 2^31 - 2^18: the longest served
     with pytest.raises(ValueError, match="2\\^31"):
-        _check_offsets(2**20, 32, 128, 128)  # 2^32: 32-bit offsets would wrap
+        _check_offsets(8191 * 64 + 1, 32, 128, 128)  # one more chunk: 2^31, which would wrap
+    with pytest.raises(ValueError, match="2\\^31"):
+        _check_offsets(2**20, 32, 128, 128)  # 2^32
 
 
 @pytest.mark.parametrize("T_cut", [0, 19])  # 19: the steep chunk is also the partial last one

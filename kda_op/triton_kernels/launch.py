@@ -155,12 +155,14 @@ def _steep_dot_precision(dtype: torch.dtype) -> str:
 def _check_offsets(T: int, HV: int, K: int, V: int) -> None:
     """The kernels index inside one sequence with 32-bit offsets (up to
     T_padded * HV * max(K, V, BT)); across sequences and chunk states with 64-bit
-    ones. Refuse, rather than wrap around, past that."""
-    extent = triton.cdiv(T, BT) * BT * HV * max(K, V, BT)
-    if extent >= 2**31:
+    ones. Refuse, rather than wrap around, past that. Written as a bound on T
+    alone, so that under torch.export (the export op) it is a plain range of the
+    sequence length."""
+    max_t = (2**31 - 1) // (BT * HV * max(K, V, BT)) * BT
+    if not T <= max_t:
         raise ValueError(
-            f"one sequence is too long for the CUDA kernels: T * HV * max(K, V, {BT}) = {extent} "
-            f"reaches 2^31 (T={T}, HV={HV}, K={K}, V={V}); split the sequence, carrying the state"
+            f"one sequence is too long for the CUDA kernels: T = {T} > {max_t} at HV={HV}, K={K}, V={V} "
+            f"(T * HV * max(K, V, {BT}) must stay below 2^31); split the sequence, carrying the state"
         )
 
 
@@ -171,24 +173,26 @@ MAX_GRID_YZ = 65535
 
 def _check_grid(B: int, HV: int, T: Optional[int]) -> None:
     """Refuse, with what to do, a launch whose grid the GPU would reject (T: None
-    for the recurrent kernel, whose grid does not count chunks)."""
-    if B * HV > MAX_GRID_YZ:
+    for the recurrent kernel, whose grid does not count chunks). Bounds on B and T
+    alone, as in _check_offsets."""
+    if not B <= MAX_GRID_YZ // HV:
         raise ValueError(
-            f"B * HV = {B} * {HV} = {B * HV} exceeds {MAX_GRID_YZ}, the CUDA kernels' limit on "
+            f"B * HV = {B} * {HV} exceeds {MAX_GRID_YZ}, the CUDA kernels' limit on "
             f"sequences times value heads per call; split the batch"
         )
-    if T is not None and triton.cdiv(T, BT) > MAX_GRID_YZ:
+    if T is not None and not T <= MAX_GRID_YZ * BT:
         raise ValueError(
-            f"T = {T} is {triton.cdiv(T, BT)} chunks of {BT}, more than {MAX_GRID_YZ}; "
-            f"split the sequence, carrying the state"
+            f"T = {T} is more than {MAX_GRID_YZ} chunks of {BT}; split the sequence, carrying the state"
         )
 
 
 @functools.lru_cache(maxsize=None)
 def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
+    if device.type == "cuda" and torch.cuda.is_available():
         return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: the H200's, so that CPU CI takes the H200's choices
+    # The interpreter (CPU tensors), or fake CUDA tensors traced on a machine
+    # without CUDA: the H200's, so that CPU CI takes the H200's choices.
+    return 132
 
 
 def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int) -> int:
@@ -251,7 +255,10 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             gam=torch.empty(B, NC * BT, HV, K, **f32),
             akk=torch.empty(B, T, HV, BT, **f32),
             aqk=torch.empty(B, T, HV, BT, **f32),
-            steep=torch.empty(B, NC, HV, device=q.device, dtype=torch.int32),
+            # Traced: flat with one spare entry, so that no dimension of it is NC,
+            # whose contiguity check would guard NC != 1 (i.e. T > 64).
+            steep=(torch.empty(B * NC * HV + 1, device=q.device, dtype=torch.int32) if traced
+                   else torch.empty(B, NC, HV, device=q.device, dtype=torch.int32)),
             qg=torch.empty(B, T, HV, K, **operand),
             kr=torch.empty(B, T, HV, K, **operand),
             w=torch.empty(B, T, HV, K, **operand),
