@@ -165,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
          dict(K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(q=x, k=x, v=x, g=f32, beta=x, h0=f32, o=x, ht=f32, scale="fp32", T="i32", H="i32", HV="i32"),
-         dict(K=K, V=V, BK=s["BK"], BV=32, HAS_H0=True), 4, 3),
+         dict(K=K, V=V, BK=s["BK"], BV=L.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(L.RECURRENT_STREAM_HINTS)),
+         L.RECURRENT_WARPS, 3),
     ]
     print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))
     report = sass_summary if args.sass else resources

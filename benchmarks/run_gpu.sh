@@ -84,7 +84,8 @@ bench)
     timeout "${BENCH_LIMIT:-400}" python3 benchmarks/bench_chunk_kda.py --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     step "decode"
     timeout "${DECODE_LIMIT:-150}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" \
-        --settings "RECURRENT_BV=64" "RECURRENT_BV=128,RECURRENT_WARPS=8" "RECURRENT_WARPS=8" >> "$LOG" 2>&1
+        --settings "RECURRENT_BV=64" "RECURRENT_BV=128,RECURRENT_WARPS=8" "RECURRENT_WARPS=8" \
+        "RECURRENT_STREAM_HINTS=1" >> "$LOG" 2>&1
     if [ -n "${SWEEP:-}" ]; then
         step "sequence sweep"
         timeout "${SWEEP_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --seq-lens 1024 2048 4096 8192 16384 \

@@ -125,6 +125,8 @@ RECURRENT_MAX_T = 16
 # the H200 with these; benchmarks/bench_decode.py --settings times others.
 RECURRENT_BV = 32
 RECURRENT_WARPS = 4
+# Cache hints on the recurrent kernel's state traffic (recurrent_fwd.py); untimed.
+RECURRENT_STREAM_HINTS = 0
 
 
 # Under Triton's interpreter (CPU CI) bf16 dots are emulated (_dot.py).
@@ -552,6 +554,7 @@ def kda_recurrent_fwd_triton(
     BV = min(RECURRENT_BV, max(16, triton.next_power_of_2(V)))
     kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, scale, T, H, HV,
-        K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, num_warps=RECURRENT_WARPS,
+        K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STREAM_HINTS=bool(RECURRENT_STREAM_HINTS),
+        num_warps=RECURRENT_WARPS,
     )
     return o, ht

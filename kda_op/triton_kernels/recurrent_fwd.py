@@ -22,8 +22,11 @@ def kda_recurrent_fwd_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr,
+    HAS_H0: tl.constexpr, STREAM_HINTS: tl.constexpr = False,
 ):
+    # STREAM_HINTS: the state is read once and written once, never reused by this
+    # launch: load it evict-first and store it streaming (.cs), keeping L2 for q,
+    # k, g, v of the other programs.
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -46,7 +49,10 @@ def kda_recurrent_fwd_kernel(
     state_off = o_k[:, None] * V + o_v[None, :]
 
     if HAS_H0:
-        b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
+        if STREAM_HINTS:
+            b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -65,4 +71,7 @@ def kda_recurrent_fwd_kernel(
         b_o = tl.sum(b_q[:, None] * b_s, 0)
         tl.store(o + row_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
-    tl.store(ht + state_off, b_s, mask=m_kv)
+    if STREAM_HINTS:
+        tl.store(ht + state_off, b_s, mask=m_kv, cache_modifier=".cs")
+    else:
+        tl.store(ht + state_off, b_s, mask=m_kv)
