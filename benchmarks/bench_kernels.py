@@ -28,8 +28,9 @@ from bench_chunk_kda import SHAPES, make_inputs
 # The next candidates: K slices that end the register spills kernel_resources.py
 # reports at the defaults (intra_a_fwd 1.4 KB at BKA = 64, 44 B at 32; intra_bwd_w
 # 332 B at BKS = 32, 44 B at 16; intra_bwd_a 251 registers at BKD_A = 32, 168 at 16).
-DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BKA=32", "BKA=16", "BKA=16,INTRA_A_FWD_MAXNREG=168",
-                    "BKA=16,INTRA_A_FWD_MAXNREG=128", "BKS=16", "BKD_A=16", "BKA=32,BKS=16,BKD_A=16",
+DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BKA=32", "BKA=16", "INTRA_A_ONE_PASS=1,BKA=16",
+                    "INTRA_A_ONE_PASS=1,BKA=16,INTRA_A_FWD_MAXNREG=168", "BKA=16,INTRA_A_FWD_MAXNREG=128",
+                    "BKS=16", "BKD_A=16", "BKA=32,BKS=16,BKD_A=16",
                     "SCAN_BF16_DOTS=1", "BWD_SCAN_BF16_DOTS=1", "WU_BF16_DOTS=1", "INTRA_BWD_WARPS=8"]
 
 

@@ -37,8 +37,12 @@ def kda_intra_a_fwd_kernel(
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
-    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, ONE_PASS: tl.constexpr = False,
 ):
+    # ONE_PASS: accumulate the A's in the first pass already, as if the chunk were
+    # not steep (its middle row is in every K slice), and drop them if it is: no
+    # second reading of gam, Q and K, no second set of exponentials. On a steep
+    # chunk the split factors may overflow to inf; those A's are never stored.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -65,6 +69,9 @@ def kda_intra_a_fwd_kernel(
     # (padded rows load g = 0, so they repeat the last gam), Qg and Kr, and how far
     # gam strays from the chunk's middle row.
     spread = tl.full([], 0.0, tl.float32)
+    if ONE_PASS:
+        b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_s in range(tl.cdiv(K, BKA)):
         o_k = i_s * BKA + tl.arange(0, BKA)
         m_k = o_k < K
@@ -79,10 +86,21 @@ def kda_intra_a_fwd_kernel(
         b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         tl.store(qg + p_tk, (b_q * tl.exp(b_gam)).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kr + p_tk, (b_k * tl.exp(b_glast[None, :] - b_gam)).to(kr.dtype.element_ty), mask=m_tk)
+        if ONE_PASS:
+            b_dmid = b_gam - b_gmid[None, :]
+            b_ep = tl.exp(b_dmid)
+            b_kn = tl.trans(b_k * tl.exp(-b_dmid))
+            b_akk += tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
+            b_aqk += tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
 
     is_steep = spread > MAX_SPLIT
     tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
-    if not is_steep:
+    if ONE_PASS:
+        if not is_steep:
+            p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
+            tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
+            tl.store(aqk + p_a, tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), mask=m_t[:, None])
+    elif not is_steep:
         # Pass 2: both A's, accumulated over the K slices.
         tl.debug_barrier()  # gam of this chunk, stored by every thread above
         b_akk = tl.zeros([BT, BT], dtype=tl.float32)

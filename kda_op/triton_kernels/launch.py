@@ -64,6 +64,9 @@ BKA = 64
 # latency-bound; kernel_resources.py: at BKA = 16, 168 registers (3 CTAs per SM)
 # spill 12 B and 128 (4 CTAs) 192 B. Untimed.
 INTRA_A_FWD_MAXNREG = None
+# intra_a_fwd in one pass over K (the A's accumulated before the steep test, and
+# dropped for steep chunks) rather than two; untimed.
+INTRA_A_ONE_PASS = 0
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
 BKS = 32
@@ -272,8 +275,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
     regs = {} if INTRA_A_FWD_MAXNREG is None else dict(maxnreg=INTRA_A_FWD_MAXNREG)
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
-        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, num_warps=INTRA_A_FWD_WARPS,
-        **regs,
+        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, ONE_PASS=bool(INTRA_A_ONE_PASS),
+        num_warps=INTRA_A_FWD_WARPS, **regs,
     )
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
         q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
