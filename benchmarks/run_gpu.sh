@@ -8,6 +8,9 @@
 #   bash benchmarks/run_gpu.sh bench   # ours against fla (RESULTS.md), decode
 #                                      # (RESULTS_decode.md); SWEEP=1 adds the sequence
 #                                      # sweep, its plot and a CUDA profile
+#   bash benchmarks/run_gpu.sh auto    # one call: a CUDA test subset, the candidate
+#                                      # settings and their best combinations, those
+#                                      # against fla (fla's tuning carried)
 #   CANDIDATES="A=1 B=2,C=3" bash benchmarks/run_gpu.sh candidates
 #                                      # a CUDA test subset, then launch settings
 #                                      # timed alone (KERNELS_SHAPE, default B1)
@@ -117,8 +120,32 @@ candidates)
     timeout "${BENCH_LIMIT:-280}" python3 benchmarks/bench_chunk_kda.py --variants "${CAND[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     ;;
+auto)
+    # One call for a lease that must be brief: the CUDA tests most at stake (fp32,
+    # opcheck, the export op and its AOTI package, the model), our kernels under
+    # bench_kernels.py's candidate settings plus the combinations of those that
+    # beat the defaults, then the defaults and those combinations against fla on
+    # the standard shapes (carry .triton_autotune.tar.gz: fla's tuning from
+    # scratch does not fit).
+    step "CUDA tests (subset)"
+    L=${TEST_LIMIT:-150}
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$OUT/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "opcheck or export" > "$OUT/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32 and not opcheck and not export" \
+        > "$OUT/t3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_model.py tests/test_export_op.py > "$OUT/t4.txt" 2>&1 &
+    wait
+    for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
+    step "bench_kernels.py, with combinations"
+    timeout "${KERNELS_LIMIT:-190}" python3 benchmarks/bench_kernels.py --best-out "$OUT/best.txt" >> "$LOG" 2>&1
+    BEST=()
+    [ -f "$OUT/best.txt" ] && mapfile -t BEST < "$OUT/best.txt"
+    step "ours (defaults and the combinations) against fla"
+    timeout "${BENCH_LIMIT:-220}" python3 benchmarks/bench_chunk_kda.py --variants "${BEST[@]}" \
+        --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
+    ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"
