@@ -127,21 +127,21 @@ auto)
     # beat the defaults, then the defaults and those combinations against fla on
     # the standard shapes (carry .triton_autotune.tar.gz: fla's tuning from
     # scratch does not fit).
+    # (the rest of tests/test_cuda.py is left to the tests phase: it alone took
+    # over four minutes)
     step "CUDA tests (subset)"
-    L=${TEST_LIMIT:-150}
+    L=${TEST_LIMIT:-180}
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$OUT/t1.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "opcheck or export" > "$OUT/t2.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32 and not opcheck and not export" \
-        > "$OUT/t3.txt" 2>&1 &
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_model.py tests/test_export_op.py > "$OUT/t4.txt" 2>&1 &
     wait
     for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
     step "bench_kernels.py, with combinations"
-    timeout "${KERNELS_LIMIT:-190}" python3 benchmarks/bench_kernels.py --best-out "$OUT/best.txt" >> "$LOG" 2>&1
+    timeout "${KERNELS_LIMIT:-170}" python3 benchmarks/bench_kernels.py --best-out "$OUT/best.txt" >> "$LOG" 2>&1
     BEST=()
     [ -f "$OUT/best.txt" ] && mapfile -t BEST < "$OUT/best.txt"
     step "ours (defaults and the combinations) against fla"
-    timeout "${BENCH_LIMIT:-220}" python3 benchmarks/bench_chunk_kda.py --variants "${BEST[@]}" \
+    timeout "${BENCH_LIMIT:-200}" python3 benchmarks/bench_chunk_kda.py --variants "${BEST[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     ;;
 *)
