@@ -1,5 +1,6 @@
 """The KDA operators: ``torch.ops.kda_op.chunk_kda_fwd``, ``chunk_kda_bwd`` and
-``fused_recurrent_kda_fwd``.
+``fused_recurrent_kda_fwd``; and ``chunk_kda_fwd_export``, the CUDA forward as a
+triton_op for torch.export / AOTInductor.
 
 One op, several kernels: the CPU kernel is the einsum reference
 (``kda_op.reference``); the CUDA kernels are the chunked Triton kernels of
