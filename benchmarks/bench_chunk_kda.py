@@ -167,18 +167,26 @@ def main() -> int:
     return 0
 
 
+def parse_setting(setting: str) -> dict:
+    """``"A=1,B=2"`` -> ``{"A": "1", "B": "2"}``."""
+    return dict(item.split("=") for item in filter(None, setting.split(",")))
+
+
+def setting_value(default, value: str):
+    """A setting's value from text, typed as launch.py's default (int where None)."""
+    return int(value) if default is None else type(default)(value)
+
+
 def launch_settings(variant: str):
     """A context (factory) in which some of launch.py's module-level settings are
     changed, e.g. ``"SCAN_BF16_DOTS=1,OUTPUT_WARPS=4"``; restored on exit."""
     from kda_op.triton_kernels import launch
 
     changes = {}
-    for item in filter(None, variant.split(",")):
-        n, value = item.split("=")
+    for n, value in parse_setting(variant).items():
         if not n.isupper() or not hasattr(launch, n):
             raise SystemExit(f"unknown setting {n!r} in --variants {variant!r}")
-        default = getattr(launch, n)
-        changes[n] = int(value) if default is None else type(default)(value)
+        changes[n] = setting_value(getattr(launch, n), value)
 
     @contextlib.contextmanager
     def settings():

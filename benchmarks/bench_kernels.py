@@ -20,7 +20,7 @@ import sys
 import torch
 import triton.testing
 
-from bench_chunk_kda import SHAPES, make_inputs
+from bench_chunk_kda import SHAPES, make_inputs, parse_setting, setting_value
 
 # Most informative first (a time limit cuts the tail): the kept intermediates
 # against recomputing them; then the scans, which are sequential (narrower V
@@ -32,11 +32,6 @@ DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BKA=32", "BKA=16", "INTRA_A_ONE_PASS=1,B
                     "INTRA_A_ONE_PASS=1,BKA=16,INTRA_A_FWD_MAXNREG=168", "BKA=16,INTRA_A_FWD_MAXNREG=128",
                     "BKS=16", "BKD_A=16", "BKA=32,BKS=16,BKD_A=16",
                     "SCAN_BF16_DOTS=1", "BWD_SCAN_BF16_DOTS=1", "WU_BF16_DOTS=1", "INTRA_BWD_WARPS=8"]
-
-
-def parse_setting(setting: str) -> dict:
-    """``"A=1,B=2"`` -> ``{"A": "1", "B": "2"}``."""
-    return dict(item.split("=") for item in filter(None, setting.split(",")))
 
 
 def kernel_times(step, grads_of=(), reps: int = 5) -> dict:
@@ -110,7 +105,7 @@ def main() -> int:
                 continue
             if n not in defaults:
                 raise SystemExit(f"unknown setting {n!r}; launch.py has {sorted(defaults)}")
-            setattr(launch, n, int(value) if defaults[n] is None else type(defaults[n])(value))
+            setattr(launch, n, setting_value(defaults[n], value))
         got = results()  # compiles
         if not reference:
             reference.extend(got)

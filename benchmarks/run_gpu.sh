@@ -45,6 +45,11 @@ pack_autotune() {
     (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tar.gz" -T -) 2>> "$LOG"
 }
 trap pack_autotune EXIT
+# Wait for the pytest processes started in the background; their tails to the log.
+collect_tests() {
+    wait
+    for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
+}
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >> "$LOG" 2>&1
 case "$PHASE" in
@@ -57,8 +62,7 @@ tests)
     # -v: a test that runs past the limit shows by name (the CUDA AOTI test did)
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/ --ignore=tests/test_cuda.py \
         --ignore=tests/test_triton_kernels.py --ignore=tests/test_fused_recurrent.py > "$OUT/t4.txt" 2>&1 &
-    wait
-    for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
+    collect_tests
     step "our kernels, B1-T8192-H16 (bench_kernels.py)"
     timeout "${KERNELS_LIMIT:-220}" python3 benchmarks/bench_kernels.py >> "$LOG" 2>&1
     ;;
@@ -74,8 +78,7 @@ quick)
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "strong" > "$OUT/t2.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "half or determin or memory" > "$OUT/t3.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "opcheck or compile or graph" > "$OUT/t4.txt" 2>&1 &
-    wait
-    for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
+    collect_tests
     step "ours and fla, B1-T8192-H16"
     timeout "${BENCH_LIMIT:-160}" python3 benchmarks/bench_chunk_kda.py --shapes B1-T8192-H16 --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     step "bench_kernels.py"
@@ -110,8 +113,7 @@ candidates)
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$OUT/t1.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "opcheck" > "$OUT/t2.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32 and not opcheck" > "$OUT/t3.txt" 2>&1 &
-    wait
-    for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
+    collect_tests
     read -r -a CAND <<< "${CANDIDATES:-}"
     step "bench_kernels.py"
     timeout "${KERNELS_LIMIT:-110}" python3 benchmarks/bench_kernels.py --shape "${KERNELS_SHAPE:-B1-T8192-H16}" \
@@ -134,8 +136,7 @@ auto)
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$OUT/t1.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "opcheck or export" > "$OUT/t2.txt" 2>&1 &
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_model.py tests/test_export_op.py > "$OUT/t4.txt" 2>&1 &
-    wait
-    for f in "$OUT"/t?.txt; do step "$f"; tail -n 30 "$f" >> "$LOG"; done
+    collect_tests
     step "bench_kernels.py, with combinations"
     timeout "${KERNELS_LIMIT:-170}" python3 benchmarks/bench_kernels.py --best-out "$OUT/best.txt" >> "$LOG" 2>&1
     BEST=()

@@ -1,4 +1,4 @@
-"""A dot with bf16 operands shared by the kernels."""
+"""Dots shared by the kernels: TF32-family or, optionally, bf16 operands."""
 
 from __future__ import annotations
 
@@ -27,3 +27,13 @@ def dot_bf16(a, b, INTERPRET: tl.constexpr):
         return tl.dot(_round_to_bf16_as_fp32(a), _round_to_bf16_as_fp32(b), input_precision="ieee")
     else:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
+
+
+@triton.jit
+def dot(a, b, BF16_DOTS: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+    """``a @ b`` accumulated in fp32: with bf16 operands where ``BF16_DOTS``
+    (``dot_bf16``), else on fp32 operands at ``DOT_PREC``."""
+    if BF16_DOTS:
+        return dot_bf16(a, b, INTERPRET)
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)

@@ -32,6 +32,17 @@ from ._indexing import sequence_and_heads
 
 
 @triton.jit
+def _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC: tl.constexpr):
+    """One K slice's share of both A's, split at the middle row:
+    A[i, j] += sum_k X_ik exp(dmid_ik) * K_jk exp(-dmid_jk), X = K or Q * scale."""
+    b_ep = tl.exp(b_dmid)
+    b_kn = tl.trans(b_k * tl.exp(-b_dmid))
+    b_akk += tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
+    b_aqk += tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
+    return b_akk, b_aqk
+
+
+@triton.jit
 def kda_intra_a_fwd_kernel(
     q, k, g, gam, akk, aqk, steep, qg, kr,
     scale, T, NC,
@@ -87,37 +98,27 @@ def kda_intra_a_fwd_kernel(
         tl.store(qg + p_tk, (b_q * tl.exp(b_gam)).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kr + p_tk, (b_k * tl.exp(b_glast[None, :] - b_gam)).to(kr.dtype.element_ty), mask=m_tk)
         if ONE_PASS:
-            b_dmid = b_gam - b_gmid[None, :]
-            b_ep = tl.exp(b_dmid)
-            b_kn = tl.trans(b_k * tl.exp(-b_dmid))
-            b_akk += tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
-            b_aqk += tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
+            b_akk, b_aqk = _split_a_dots(b_q, b_k, b_gam - b_gmid[None, :], b_akk, b_aqk, DOT_PREC)
 
     is_steep = spread > MAX_SPLIT
     tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
-    if ONE_PASS:
-        if not is_steep:
-            p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
-            tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
-            tl.store(aqk + p_a, tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), mask=m_t[:, None])
-    elif not is_steep:
-        # Pass 2: both A's, accumulated over the K slices.
-        tl.debug_barrier()  # gam of this chunk, stored by every thread above
-        b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-        b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_s in range(tl.cdiv(K, BKA)):
-            o_k = i_s * BKA + tl.arange(0, BKA)
-            m_k = o_k < K
-            m_tk = m_t[:, None] & m_k[None, :]
-            b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-            b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
-            b_dmid = b_gam - b_gmid[None, :]
-            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
-            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-            b_ep = tl.exp(b_dmid)
-            b_kn = tl.trans(b_k * tl.exp(-b_dmid))
-            b_akk += tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
-            b_aqk += tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
+    if not is_steep:
+        if not ONE_PASS:
+            # Pass 2: both A's, accumulated over the K slices.
+            tl.debug_barrier()  # gam of this chunk, stored by every thread above
+            b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+            b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+            for i_s in range(tl.cdiv(K, BKA)):
+                o_k = i_s * BKA + tl.arange(0, BKA)
+                m_k = o_k < K
+                m_tk = m_t[:, None] & m_k[None, :]
+                b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+                b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
+                b_dmid = b_gam - b_gmid[None, :]
+                b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+                b_q = b_q * scale
+                b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+                b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
         tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
         tl.store(aqk + p_a, tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), mask=m_t[:, None])

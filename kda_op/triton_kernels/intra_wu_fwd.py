@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import dot_bf16
+from ._dot import dot
 from ._indexing import sequence_and_heads
 
 
@@ -94,18 +94,12 @@ def kda_intra_wu_fwd_kernel(
                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     # gam is reloaded rather than kept live through the inverse (register pressure).
     b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-    if BF16_DOTS:
-        b_w = dot_bf16(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), INTERPRET)
-    else:
-        b_w = tl.dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), input_precision=DOT_PREC)
+    b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
     tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         p_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        if BF16_DOTS:
-            b_u = dot_bf16(b_tm, b_beta[:, None] * b_v, INTERPRET)
-        else:
-            b_u = tl.dot(b_tm, b_beta[:, None] * b_v, input_precision=DOT_PREC)
+        b_u = dot(b_tm, b_beta[:, None] * b_v, BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(u + p_v, b_u, mask=m_t[:, None] & m_v[None, :])

@@ -232,18 +232,19 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None) -> dict:
     # Blocks of at least 32: a wrong dk was seen on the H200 with K = 32, V = 16
     # (BV = 16) that the interpreter computed right; cause not established.
     BK = max(32, triton.next_power_of_2(K))
+    bf16_operands = scan_operand_dtype(q.dtype) == torch.bfloat16  # the *_BF16_DOTS options apply
     return dict(
         B=B, T=T, H=H, K=K, HV=HV, V=V,
         NC=triton.cdiv(T, BT),
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         BV_SCAN=_scan_block_v(B if scan_batch is None else scan_batch, HV, V, q.device,
-                              BV_SCAN if scan_operand_dtype(q.dtype) == torch.bfloat16 else BV_SCAN_FP32_OPERANDS),
+                              BV_SCAN if bf16_operands else BV_SCAN_FP32_OPERANDS),
         SCAN_STAGES=SCAN_STAGES if BK <= 128 else 1,
-        SCAN_BF16_DOTS=bool(SCAN_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
-        OUTPUT_BF16_DOTS=bool(OUTPUT_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
-        BWD_SCAN_BF16_DOTS=bool(BWD_SCAN_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
-        WU_BF16_DOTS=bool(WU_BF16_DOTS) and scan_operand_dtype(q.dtype) == torch.bfloat16,
+        SCAN_BF16_DOTS=bf16_operands and bool(SCAN_BF16_DOTS),
+        OUTPUT_BF16_DOTS=bf16_operands and bool(OUTPUT_BF16_DOTS),
+        BWD_SCAN_BF16_DOTS=bf16_operands and bool(BWD_SCAN_BF16_DOTS),
+        WU_BF16_DOTS=bf16_operands and bool(WU_BF16_DOTS),
     )
 
 
@@ -297,12 +298,14 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
 _SERVES = "cuda"
 
 
-def _intermediates_views(buffer: Tensor, q: Tensor, v: Tensor) -> dict:
-    """The named tensors inside the flat uint8 buffer of kept intermediates
-    (layout: ``kda_op._contract.intermediates_layout``)."""
+def _layout(q: Tensor, v: Tensor) -> tuple[list, int]:
+    """``kda_op._contract.intermediates_layout`` for these inputs."""
     B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    layout, _ = intermediates_layout(B, T, HV, K, V, q.dtype, _SERVES)
+    return intermediates_layout(B, T, v.shape[2], K, v.shape[3], q.dtype, _SERVES)
+
+
+def _intermediates_views(buffer: Tensor, layout: list) -> dict:
+    """The named tensors inside the flat uint8 buffer of kept intermediates."""
     views = {}
     for name, shape, dtype, offset in layout:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -310,14 +313,11 @@ def _intermediates_views(buffer: Tensor, q: Tensor, v: Tensor) -> dict:
     return views
 
 
-def _zero_alignment_gaps(buffer: Tensor, q: Tensor, v: Tensor) -> None:
+def _zero_alignment_gaps(buffer: Tensor, layout: list, total: int) -> None:
     """Zero the bytes between (and after) the pieces of the kept-intermediates
     buffer, which no kernel writes: the buffer is an op output, so every byte must
     follow from the inputs (opcheck compares eager and traced runs bitwise). At
     most one small fill per piece, none where sizes are multiples of 256 bytes."""
-    B, T, _, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
-    layout, total = intermediates_layout(B, T, HV, K, V, q.dtype, _SERVES)
     starts = [offset for *_, offset in layout[1:]] + [total]
     for (_, shape, dtype, offset), next_start in zip(layout, starts):
         end = offset + math.prod(shape) * dtype.itemsize
@@ -341,10 +341,10 @@ def kda_fwd_triton(
     f32 = dict(device=q.device, dtype=torch.float32)
     h0 = None if initial_state is None else initial_state.contiguous()
 
-    nbytes = intermediates_layout(B, T, HV, K, V, q.dtype, _SERVES)[1] if keep_intermediates else 0
+    layout, nbytes = _layout(q, v) if keep_intermediates else ([], 0)
     intermediates = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
     if keep_intermediates:
-        _zero_alignment_gaps(intermediates, q, v)
+        _zero_alignment_gaps(intermediates, layout, nbytes)
     chunk_states = torch.empty(B, NC + 1, HV, K, V, **f32)
     # Short sequences: one token-by-token launch, unless the backward wants the
     # chunked intermediates.
@@ -364,27 +364,40 @@ def kda_fwd_triton(
     prec = _dot_precision(q.dtype)
     if NC > 0:
         with record_function("kda_op::fwd::intra"):
-            kept = _intermediates_views(intermediates, q, v) if keep_intermediates else None
+            kept = _intermediates_views(intermediates, layout) if keep_intermediates else None
             x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept)
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     up = kept["up"] if keep_intermediates and NC > 0 else torch.empty(B, T, HV, V, **f32)
     with record_function("kda_op::fwd::state_scan"):
-        kda_state_fwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
-            x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
-            H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
-            num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
-        )
+        _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=False)
     if NC > 0:
         with record_function("kda_op::fwd::output"):
-            bv_out = BV_OUTPUT or s["BV"]
-            kda_output_fwd_kernel[(triton.cdiv(V, bv_out), NC, B * HV)](
-                x["qg"], x["aqk"], up, chunk_states, o, T, NC,
-                H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
-                DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, num_warps=OUTPUT_WARPS,
-            )
+            _output_fwd(x, up, chunk_states, o, s, prec, traced=False)
     return o, ht, chunk_states, intermediates
+
+
+def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Tensor, ht: Tensor,
+                    s: dict, prec: str, traced: bool) -> None:
+    """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht."""
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
+        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
+        HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
+        num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
+    )
+
+
+def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, prec: str, traced: bool) -> None:
+    """Stage 3: the output (output_fwd.py) into o."""
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    bv_out = BV_OUTPUT or s["BV"]
+    _kernel(kda_output_fwd_kernel, traced)[(triton.cdiv(V, bv_out), NC, B * HV)](
+        x["qg"], x["aqk"], up, chunk_states, o, T, NC,
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
+        DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, num_warps=OUTPUT_WARPS,
+    )
 
 
 def kda_fwd_triton_export(
@@ -412,18 +425,8 @@ def kda_fwd_triton_export(
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True)
     up = torch.empty(B, T, HV, V, **f32)
-    _kernel(kda_state_fwd_kernel, True)[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
-        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-        HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
-        num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
-    )
-    bv_out = BV_OUTPUT or s["BV"]
-    _kernel(kda_output_fwd_kernel, True)[(triton.cdiv(V, bv_out), NC, B * HV)](
-        x["qg"], x["aqk"], up, chunk_states, o, T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
-        DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, num_warps=OUTPUT_WARPS,
-    )
+    _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=True)
+    _output_fwd(x, up, chunk_states, o, s, prec, traced=True)
     return o, ht, chunk_states
 
 
@@ -456,7 +459,7 @@ def kda_bwd_triton(
 
     prec = _dot_precision(q.dtype)
     if intermediates is not None and intermediates.numel() > 0:
-        x = _intermediates_views(intermediates, q, v)
+        x = _intermediates_views(intermediates, _layout(q, v)[0])
     else:
         with record_function("kda_op::bwd::intra_recompute"):
             x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import dot_bf16
+from ._dot import dot
 from ._indexing import sequence_and_heads
 
 
@@ -55,10 +55,6 @@ def kda_output_fwd_kernel(
                   mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
     row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
     b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-    if BF16_DOTS:
-        b_o = dot_bf16(b_qg, b_s0, INTERPRET)
-        b_o += dot_bf16(b_a, b_up, INTERPRET)
-    else:
-        b_o = tl.dot(b_qg.to(tl.float32), b_s0, input_precision=DOT_PREC)
-        b_o += tl.dot(b_a, b_up, input_precision=DOT_PREC)
+    b_o = dot(b_qg, b_s0, BF16_DOTS, DOT_PREC, INTERPRET)
+    b_o += dot(b_a, b_up, BF16_DOTS, DOT_PREC, INTERPRET)
     tl.store(o + row_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])

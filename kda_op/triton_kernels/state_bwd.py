@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import dot_bf16
+from ._dot import dot
 from ._indexing import sequence_and_heads
 
 
@@ -141,15 +141,8 @@ def kda_state_bwd_kernel(
         b_kr = tl.load(kr + row_k, mask=m_tk, other=0.0)
         b_w = tl.load(w + row_k, mask=m_tk, other=0.0)
         # dU' = A_qk^T dO (from the prep kernel) + Kr dS_C
-        if BF16_DOTS:
-            b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0) + dot_bf16(b_kr, b_ds, INTERPRET)
-        else:
-            b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0) + tl.dot(b_kr.to(tl.float32), b_ds,
-                                                                       input_precision=DOT_PREC)
+        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0) + dot(b_kr, b_ds, BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(dup + row_v, b_dup, mask=m_tv)
-        if BF16_DOTS:
-            b_ds = b_next - dot_bf16(tl.trans(b_w), b_dup, INTERPRET)
-        else:
-            b_ds = b_next - tl.dot(tl.trans(b_w.to(tl.float32)), b_dup, input_precision=DOT_PREC)
+        b_ds = b_next - dot(tl.trans(b_w), b_dup, BF16_DOTS, DOT_PREC, INTERPRET)
 
     tl.store(dh0 + state_off, b_ds, mask=m_kv)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import dot_bf16
+from ._dot import dot
 from ._indexing import sequence_and_heads
 
 
@@ -67,18 +67,11 @@ def kda_state_fwd_kernel(
         b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        if BF16_DOTS:
-            b_up = b_u - dot_bf16(b_w, b_s, INTERPRET)
-        else:
-            b_up = b_u - tl.dot(b_w.to(tl.float32), b_s, input_precision=DOT_PREC)
+        b_up = b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(up + row_v, b_up, mask=m_t[:, None] & m_v[None, :])
 
         b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-        if BF16_DOTS:
-            b_s = b_s * tl.exp(b_glast)[:, None] + dot_bf16(tl.trans(b_kr), b_up, INTERPRET)
-        else:
-            b_s = b_s * tl.exp(b_glast)[:, None] + tl.dot(tl.trans(b_kr.to(tl.float32)), b_up,
-                                                          input_precision=DOT_PREC)
+        b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
     tl.store(chunk_states + NC * cs_stride + state_off, b_s, mask=m_kv)
     tl.store(ht + state_off, b_s, mask=m_kv)
