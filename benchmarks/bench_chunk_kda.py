@@ -12,6 +12,7 @@ beta = sigmoid(rand), fp32 initial state). Needs a CUDA GPU and fla.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import datetime
 import statistics
@@ -55,30 +56,36 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm()).item()
 
 
-def print_kernel_breakdown(fn) -> None:
-    """Our forward+backward on the first shape under torch.profiler, top kernels."""
-    name, B, T, H, HV = SHAPES[0]
-    inputs, do = make_inputs(B, T, H, HV)
-    q, k, v, g, beta, h0 = inputs
-
-    def step():
-        o, _ = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
-        o.backward(do)
-
+def kernel_times(step, grads_of=(), reps: int = 5) -> dict:
+    """CUDA time per step of each kernel (torch.profiler). The grads of ``grads_of``
+    are reset before every step (as do_bench's grad_to_none does), so that
+    autograd's accumulation into .grad does not show up as kernels."""
     step()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(5):
+        for _ in range(reps):
+            for x in grads_of:
+                x.grad = None
             step()
         torch.cuda.synchronize()
-    print(f"kernels of 5 forward+backward steps, {name}:")
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+    out = collections.defaultdict(float)
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            out[e.key] += e.device_time_total / reps / 1e3  # ms per step
+    return dict(out)
+
+
+def print_kernel_times(title: str, times: dict, limit: int = 14) -> None:
+    print(f"{title}: {sum(times.values()):.3f} ms of kernels per step", flush=True)
+    for key, ms in sorted(times.items(), key=lambda kv: -kv[1])[:limit]:
+        print(f"    {ms:8.3f} ms  {key[:100]}", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
-    parser.add_argument("--kernels", action="store_true", help="also print our forward+backward's kernels by GPU time")
+    parser.add_argument("--kernels", action="store_true",
+                        help="also print each implementation's kernels by GPU time (forward, then forward+backward)")
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192],
                         help="sequence lengths to time each shape at (the standard shapes use 8192)")
     parser.add_argument("--csv", default=None,
@@ -162,8 +169,10 @@ def main() -> int:
                 err_h = rel_err(outs[label][1], outs["fla"][1]) if "fla" in outs else nan
                 rows.append((f"{name} {label}", res[label][0], fla_fwd, res[label][1], fla_fb, err_o, err_h))
         write_table(rows, args, fla_version, csv_rows)  # after every shape: a time limit keeps what ran
-    if args.kernels:
-        print_kernel_breakdown(ours_chunk_kda)
+        if args.kernels:
+            for label, (fwd, fwd_bwd) in steps.items():
+                print_kernel_times(f"{name}: {label}: forward", kernel_times(fwd))
+                print_kernel_times(f"{name}: {label}: forward+backward", kernel_times(fwd_bwd, grads_of=inputs))
     return 0
 
 

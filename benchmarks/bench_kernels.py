@@ -14,13 +14,12 @@ the intra-chunk stage instead of taking the forward's kept intermediates.
 from __future__ import annotations
 
 import argparse
-import collections
 import sys
 
 import torch
 import triton.testing
 
-from bench_chunk_kda import SHAPES, make_inputs, parse_setting, setting_value
+from bench_chunk_kda import SHAPES, kernel_times, make_inputs, parse_setting, setting_value
 
 # Most informative first (a time limit cuts the tail): the kept intermediates
 # against recomputing them; then the scans, which are sequential (narrower V
@@ -31,26 +30,7 @@ from bench_chunk_kda import SHAPES, make_inputs, parse_setting, setting_value
 DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BKA=32", "BKA=16", "INTRA_A_ONE_PASS=1,BKA=16",
                     "INTRA_A_ONE_PASS=1,BKA=16,INTRA_A_FWD_MAXNREG=168", "BKA=16,INTRA_A_FWD_MAXNREG=128",
                     "BKS=16", "BKD_A=16", "BKA=32,BKS=16,BKD_A=16",
-                    "SCAN_BF16_DOTS=1", "BWD_SCAN_BF16_DOTS=1", "WU_BF16_DOTS=1", "INTRA_BWD_WARPS=8"]
-
-
-def kernel_times(step, grads_of=(), reps: int = 5) -> dict:
-    """CUDA time per step of each kernel. The grads of ``grads_of`` are reset before
-    every step (as do_bench's grad_to_none does), so that autograd's accumulation
-    into .grad does not show up as kernels of ours."""
-    step()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            for x in grads_of:
-                x.grad = None
-            step()
-        torch.cuda.synchronize()
-    out = collections.defaultdict(float)
-    for e in prof.key_averages():
-        if e.device_time_total > 0:
-            out[e.key] += e.device_time_total / reps / 1e3  # ms per step
-    return dict(out)
+                    "SCAN_BF16_DOTS=1", "WU_BF16_DOTS=1", "INTRA_BWD_WARPS=8"]
 
 
 def main() -> int:

@@ -11,6 +11,9 @@
 #   bash benchmarks/run_gpu.sh auto    # one call: a CUDA test subset, the candidate
 #                                      # settings and their best combinations, those
 #                                      # against fla (fla's tuning carried)
+#   VARIANTS="A=1" bash benchmarks/run_gpu.sh breakdown
+#                                      # the AOTI tests alone, beside ours, its
+#                                      # variants and fla with kernels by GPU time
 #   CANDIDATES="A=1 B=2,C=3" bash benchmarks/run_gpu.sh candidates
 #                                      # a CUDA test subset, then launch settings
 #                                      # timed alone (KERNELS_SHAPE, default B1)
@@ -145,8 +148,24 @@ auto)
     timeout "${BENCH_LIMIT:-200}" python3 benchmarks/bench_chunk_kda.py --variants "${BEST[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     ;;
+breakdown)
+    # One call: the AOTI package tests alone (pytest-timeout, where the image has it,
+    # prints every thread's stack if one stalls: they ran past 150 s in three
+    # leases), beside ours and fla on the standard shapes with each one's kernels
+    # by GPU time, forward and forward+backward ($VARIANTS: variants of ours).
+    step "AOTI tests (background)"
+    for t in 1:test_aoti_package_runs_in_a_fresh_process 2:test_cuda_model_export_and_aoti; do
+        timeout "${TEST_LIMIT:-300}" python3 -m pytest -v -s -ra --tb=long -p no:cacheprovider --timeout=280 \
+            "tests/test_model.py::${t#*:}" > "$OUT/t${t%%:*}.txt" 2>&1 &
+    done
+    read -r -a VARS <<< "${VARIANTS:-}"
+    step "ours and fla, kernels by GPU time"
+    timeout "${BENCH_LIMIT:-300}" python3 benchmarks/bench_chunk_kda.py --kernels --variants "${VARS[@]}" \
+        --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
+    collect_tests
+    ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto|breakdown" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"
