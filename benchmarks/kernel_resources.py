@@ -97,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sass", action="store_true",
                         help="static SASS instruction counts and loop-body lengths instead of resources")
     parser.add_argument("--only", default=None, help="only kernels whose name contains this")
+    parser.add_argument("--scale-type", default="fp32", choices=["fp32", "fp64"],
+                        help="scale's type in the forward kernels' signatures (inductor passes fp64)")
     parser.add_argument("--set", nargs="*", default=[],
                         help="launch.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
     args = parser.parse_args(argv)
@@ -113,20 +115,21 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.empty(1, 1, 1, K, device="meta", dtype=dtype)
     s = _sizes(q, torch.empty(1, 1, 1, V, device="meta", dtype=dtype))
     if args.scan_bv:
-        s["BV_SCAN"] = args.scan_bv
+        s["BV_SCAN"] = s["BV_SCAN_FWD"] = args.scan_bv
     x = f"*{args.dtype}"
     f32 = "*fp32"
     op = x if args.dtype == "bf16" else f32  # the scans' operand dtype (launch._operand_dtype)
     prec = "tf32x3" if args.dtype == "fp32" else "tf32"
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
+    scale_type = args.scale_type
     common = dict(K=K, V=V, BT=BT)
     runs = [
         (intra_a_fwd.kda_intra_a_fwd_kernel,
-         dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=f32, steep="*i32", qg=op, kr=op, scale="fp32", **ints),
+         dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=f32, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
          dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, ONE_PASS=bool(L.INTRA_A_ONE_PASS)),
          L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
-         dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale="fp32", **ints),
+         dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale=scale_type, **ints),
          dict(K=K, BT=BT, BC=BC, BKS=L.BKS, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         (intra_wu_fwd.kda_intra_wu_fwd_kernel,
          dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=f32, tm=f32, **ints),
@@ -135,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
          L.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else L.INTRA_WU_FWD_WARPS, 3),
         (state_fwd.kda_state_fwd_kernel,
          dict(kr=op, w=op, u=f32, gam=f32, h0=f32, up=f32, chunk_states=f32, ht=f32, **ints),
-         dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_H0=True, DOT_PREC=prec,
-              BF16_DOTS=L.SCAN_BF16_DOTS and args.dtype == "bf16"), L.SCAN_WARPS, s["SCAN_STAGES"]),
+         dict(common, BK=s["BK"], BV=s["BV_SCAN_FWD"], HAS_H0=True, DOT_PREC=prec,
+              BF16_DOTS=L.SCAN_BF16_DOTS and args.dtype == "bf16", KR_T_LOADS=bool(L.SCAN_KR_T_LOADS),
+              ACC_DOTS=bool(L.SCAN_ACC_DOTS)), L.SCAN_FWD_WARPS or L.SCAN_WARPS, s["SCAN_FWD_STAGES"]),
         (output_fwd.kda_output_fwd_kernel,
          dict(qg=op, aqk=f32, up=f32, chunk_states=f32, o=x, **ints),
          dict(common, BK=s["BK"], BV=L.BV_OUTPUT or s["BV"], DOT_PREC=prec,

@@ -164,8 +164,29 @@ breakdown)
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     collect_tests
     ;;
+explore)
+    # One call: the CUDA export tests in the background (CPU-bound compiles), our
+    # kernels under $CANDIDATES on both standard shapes (each checked against the
+    # defaults), then decode under $DECODE_SETTINGS.
+    step "CUDA export tests (background)"
+    timeout "${TEST_LIMIT:-300}" python3 -m pytest -v -ra --tb=short -p no:cacheprovider --timeout=280 \
+        tests/test_model.py::test_cuda_model_export_and_aoti tests/test_cuda.py -k "export" > "$OUT/t1.txt" 2>&1 &
+    read -r -a CAND <<< "${CANDIDATES:-}"
+    for shape in B1-T8192-H16 B2-T8192-H8-HV32; do
+        step "bench_kernels.py $shape"
+        timeout "${KERNELS_LIMIT:-170}" python3 benchmarks/bench_kernels.py --shape "$shape" \
+            --settings "" "${CAND[@]}" >> "$LOG" 2>&1
+    done
+    collect_tests
+    if [ -n "${DECODE_SETTINGS:-}" ]; then
+        read -r -a DEC <<< "$DECODE_SETTINGS"
+        step "decode"
+        timeout "${DECODE_LIMIT:-120}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" \
+            --settings "${DEC[@]}" >> "$LOG" 2>&1
+    fi
+    ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto|breakdown" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto|breakdown|explore" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"

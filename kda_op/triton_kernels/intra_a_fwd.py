@@ -54,6 +54,9 @@ def kda_intra_a_fwd_kernel(
     # not steep (its middle row is in every K slice), and drop them if it is: no
     # second reading of gam, Q and K, no second set of exponentials. On a steep
     # chunk the split factors may overflow to inf; those A's are never stored.
+    # scale in fp32 whatever the caller's scalar type: inductor's launches of the
+    # export op pass a Python float as fp64, which would make Q * scale fp64.
+    scale = tl.cast(scale, tl.float32)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -136,6 +139,7 @@ def kda_intra_a_fwd_steep_kernel(
     columns before the block through one dot with the block's first row as
     reference; the diagonal block split at its middle row where the slice allows,
     else exactly, pair by pair."""
+    scale = tl.cast(scale, tl.float32)  # fp64 where inductor launches it (see above)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)

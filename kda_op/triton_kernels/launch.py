@@ -96,6 +96,16 @@ BV_SCAN_MAX = 64
 SCAN_SMS = None
 SCAN_WARPS = 8
 SCAN_STAGES = 2  # where BK <= 128; one stage above
+# The forward scan alone (None: as above): its warps, stages (where BK <= 128) and
+# V block (before the doubling to one wave); Kr^T loaded transposed rather than
+# transposed in registers, and the state update as one accumulating dot
+# (state_fwd.py). fla's forward scan, 0.20 ms to our 0.35 at B1-T8192-H16 and 0.30
+# to 0.66 at B2-T8192-H8-HV32 (H200, 2026-11-30), runs 2 or 4 warps by autotuning.
+SCAN_FWD_WARPS = None
+SCAN_FWD_STAGES = None
+BV_SCAN_FWD = None
+SCAN_KR_T_LOADS = 0
+SCAN_ACC_DOTS = 0
 # bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
 # operands, the state and U' rounded to bf16 as they enter them (fp32
 # accumulation, fp32 state throughout), as fla's forward does; 0 keeps TF32 dots.
@@ -233,14 +243,17 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None) -> dict:
     # (BV = 16) that the interpreter computed right; cause not established.
     BK = max(32, triton.next_power_of_2(K))
     bf16_operands = scan_operand_dtype(q.dtype) == torch.bfloat16  # the *_BF16_DOTS options apply
+    scan_b = B if scan_batch is None else scan_batch
+    bv_scan_min = BV_SCAN if bf16_operands else BV_SCAN_FP32_OPERANDS
     return dict(
         B=B, T=T, H=H, K=K, HV=HV, V=V,
         NC=triton.cdiv(T, BT),
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
-        BV_SCAN=_scan_block_v(B if scan_batch is None else scan_batch, HV, V, q.device,
-                              BV_SCAN if bf16_operands else BV_SCAN_FP32_OPERANDS),
+        BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
+        BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(BV_SCAN_FWD or 0, bv_scan_min)),
         SCAN_STAGES=SCAN_STAGES if BK <= 128 else 1,
+        SCAN_FWD_STAGES=(SCAN_FWD_STAGES or SCAN_STAGES) if BK <= 128 else 1,
         SCAN_BF16_DOTS=bf16_operands and bool(SCAN_BF16_DOTS),
         OUTPUT_BF16_DOTS=bf16_operands and bool(OUTPUT_BF16_DOTS),
         BWD_SCAN_BF16_DOTS=bf16_operands and bool(BWD_SCAN_BF16_DOTS),
@@ -381,11 +394,12 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
                     s: dict, prec: str, traced: bool) -> None:
     """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
-    _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
+    _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN_FWD"]), B * HV)](
         x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
-        num_warps=SCAN_WARPS, num_stages=s["SCAN_STAGES"],
+        KR_T_LOADS=bool(SCAN_KR_T_LOADS), ACC_DOTS=bool(SCAN_ACC_DOTS),
+        num_warps=SCAN_FWD_WARPS or SCAN_WARPS, num_stages=s["SCAN_FWD_STAGES"],
     )
 
 
