@@ -22,15 +22,11 @@ import triton.testing
 from bench_chunk_kda import SHAPES, kernel_times, make_inputs, parse_setting, setting_value
 
 # Most informative first (a time limit cuts the tail): the kept intermediates
-# against recomputing them; then the scans, which are sequential (narrower V
-# blocks, fewer warps or deeper prefetch may shorten them); then the warps.
-# The next candidates: K slices that end the register spills kernel_resources.py
-# reports at the defaults (intra_a_fwd 1.4 KB at BKA = 64, 44 B at 32; intra_bwd_w
-# 332 B at BKS = 32, 44 B at 16; intra_bwd_a 251 registers at BKD_A = 32, 168 at 16).
-DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BKA=32", "BKA=16", "INTRA_A_ONE_PASS=1,BKA=16",
-                    "INTRA_A_ONE_PASS=1,BKA=16,INTRA_A_FWD_MAXNREG=168", "BKA=16,INTRA_A_FWD_MAXNREG=128",
-                    "BKS=16", "BKD_A=16", "BKA=32,BKS=16,BKD_A=16",
-                    "SCAN_BF16_DOTS=1", "WU_BF16_DOTS=1", "INTRA_BWD_WARPS=8"]
+# against recomputing them; then the forward scan, the stage furthest above fla's
+# at B2 (0.43 ms to 0.30): four warps, alone and with two programs per SM (V
+# blocks of 32 at B2), a fourth stage, TF32 dots again; then the rest untried.
+DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "SCAN_FWD_WARPS=4", "SCAN_FWD_WARPS=4,SCAN_FWD_PER_SM=2",
+                    "SCAN_FWD_STAGES=4", "SCAN_BF16_DOTS=0", "WU_BF16_DOTS=1", "INTRA_BWD_WARPS=8"]
 
 
 def main() -> int:

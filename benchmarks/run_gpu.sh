@@ -11,6 +11,9 @@
 #   bash benchmarks/run_gpu.sh auto    # one call: a CUDA test subset, the candidate
 #                                      # settings and their best combinations, those
 #                                      # against fla (fla's tuning carried)
+#   VARIANTS="A=1" bash benchmarks/run_gpu.sh verify
+#                                      # every test, then ours (and variants)
+#                                      # against fla on the standard shapes
 #   VARIANTS="A=1" bash benchmarks/run_gpu.sh breakdown
 #                                      # the AOTI tests alone, beside ours, its
 #                                      # variants and fla with kernels by GPU time
@@ -164,6 +167,26 @@ breakdown)
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     collect_tests
     ;;
+verify)
+    # One call: every test (four pytest processes), then ours (and $VARIANTS)
+    # against fla on the standard shapes (RESULTS.md).
+    step "tests"
+    L=${TEST_LIMIT:-330}
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$OUT/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$OUT/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py tests/test_fused_recurrent.py > "$OUT/t3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/ --ignore=tests/test_cuda.py --ignore=tests/test_model.py \
+        --ignore=tests/test_triton_kernels.py --ignore=tests/test_fused_recurrent.py > "$OUT/t4.txt" 2>&1 &
+    # the two AOTI package tests took ~3.5 min each beside other compiles
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "not aoti" > "$OUT/t5.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "aoti_package" > "$OUT/t6.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "export_and_aoti" > "$OUT/t7.txt" 2>&1 &
+    collect_tests
+    read -r -a VARS <<< "${VARIANTS:-}"
+    step "ours and fla, standard shapes"
+    timeout "${BENCH_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --variants "${VARS[@]}" \
+        --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
+    ;;
 explore)
     # One call: the CUDA export tests in the background (CPU-bound compiles), our
     # kernels under $CANDIDATES on both standard shapes (each checked against the
@@ -186,7 +209,7 @@ explore)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto|breakdown|explore" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto|breakdown|explore|verify" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"

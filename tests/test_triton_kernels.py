@@ -184,23 +184,23 @@ def test_triton_scans_take_bigger_v_blocks_when_programs_overflow_a_wave(monkeyp
     monkeypatch.setattr(launch, "SCAN_SMS", None)  # the device's (or the H200's) count: 2 heads fit
     assert launch._sizes(inputs["q"], inputs["v"])["BV_SCAN"] == launch.BV_SCAN_FP32_OPERANDS
 
-@pytest.mark.parametrize("options", [
-    {"SCAN_KR_T_LOADS": 1},
-    {"SCAN_ACC_DOTS": 1},
-    {"SCAN_KR_T_LOADS": 1, "SCAN_ACC_DOTS": 1, "BV_SCAN_FWD": 32, "SCAN_FWD_WARPS": 4, "SCAN_FWD_STAGES": 3},
+@pytest.mark.parametrize("options,blocks", [
+    ({"BV_SCAN_FWD": 32, "SCAN_FWD_WARPS": 4, "SCAN_FWD_STAGES": 3}, (32, 32)),
+    # two SMs: the forward's wave of 2 x 2 holds 2 heads x 2 blocks of 32; the
+    # backward's wave of 2 does not, so its block doubles
+    ({"SCAN_FWD_PER_SM": 2, "SCAN_SMS": 2}, (32, 64)),
 ])
-def test_triton_forward_scan_options(options, monkeypatch):
-    """The forward scan's other forms (launch.SCAN_KR_T_LOADS: Kr^T loaded
-    transposed; SCAN_ACC_DOTS: the state update as one accumulating dot; its own V
-    block, warps and stages) give the reference's forward and backward, at a V
-    that leaves a partial V block and a partial last chunk."""
+def test_triton_forward_scan_options(options, blocks, monkeypatch):
+    """The forward scan's own V block, warps, stages and programs per SM (launch.py)
+    give the reference's forward and backward, at a V that leaves a partial V
+    block and a partial last chunk."""
     from kda_op.triton_kernels import launch
 
     for name, value in options.items():
         monkeypatch.setattr(launch, name, value)
     inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=31)
-    if "BV_SCAN_FWD" in options:
-        assert launch._sizes(inputs["q"], inputs["v"])["BV_SCAN_FWD"] == 32
+    sizes = launch._sizes(inputs["q"], inputs["v"])
+    assert (sizes["BV_SCAN_FWD"], sizes["BV_SCAN"]) == blocks, sizes
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=32)
 
 
@@ -299,15 +299,14 @@ BF16_DOT_SETTINGS = ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BWD_SCAN_BF16_DOTS",
 
 
 @pytest.mark.parametrize("bf16_dots", [(), ("SCAN_BF16_DOTS",), ("OUTPUT_BF16_DOTS",), ("BWD_SCAN_BF16_DOTS",),
-                                       ("WU_BF16_DOTS",), BF16_DOT_SETTINGS,
-                                       ("SCAN_BF16_DOTS", "SCAN_KR_T_LOADS", "SCAN_ACC_DOTS")])
+                                       ("WU_BF16_DOTS",), BF16_DOT_SETTINGS])
 def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
     """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'
     operand dtype); o and the grads come back in bf16. With TF32 dots, and with
     bf16 operands in each group of dots that has the option (launch.*_BF16_DOTS)."""
     from kda_op.triton_kernels import launch
 
-    for name in BF16_DOT_SETTINGS + ("SCAN_KR_T_LOADS", "SCAN_ACC_DOTS"):
+    for name in BF16_DOT_SETTINGS:
         monkeypatch.setattr(launch, name, int(name in bf16_dots))
     names = ("q", "k", "v", "g", "beta")
     inputs = make_inputs(B=1, T=CHUNK_SIZE + 86, H=1, G=2, K=32, V=32, dtype=torch.float64, seed=3)

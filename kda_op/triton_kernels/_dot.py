@@ -37,16 +37,3 @@ def dot(a, b, BF16_DOTS: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.con
         return dot_bf16(a, b, INTERPRET)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
-
-
-@triton.jit
-def dot_acc(a, b, acc, BF16_DOTS: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr):
-    """``acc + a @ b`` as one dot accumulating into ``acc`` (fp32): the MMA adds the
-    product into the accumulator's registers, no separate add of a fresh tile."""
-    if BF16_DOTS:
-        if INTERPRET:
-            return tl.dot(_round_to_bf16_as_fp32(a), _round_to_bf16_as_fp32(b), acc, input_precision="ieee")
-        else:
-            return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16), acc)
-    else:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=DOT_PREC)

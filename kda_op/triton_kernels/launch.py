@@ -57,16 +57,18 @@ INTRA_BWD_A_WARPS = 4
 # warps): intra_wu_fwd 0.229 -> 0.190 ms, forward 0.999 -> 0.958 ms, outputs
 # bitwise the same (bench_kernels.py, 2026-11-30).
 TM_ROW_LOADS = 1
-# K slices of the forward's A's (intra_a_fwd.py): bounded shared memory at any K
-BKA = 64
-# A cap on intra_a_fwd's registers per thread (None: the compiler's choice, 255 at
-# every BKA). The kernel moves ~160 KB per program at two CTAs per SM, which looks
-# latency-bound; kernel_resources.py: at BKA = 16, 168 registers (3 CTAs per SM)
-# spill 12 B and 128 (4 CTAs) 192 B. Untimed.
-INTRA_A_FWD_MAXNREG = None
-# intra_a_fwd in one pass over K (the A's accumulated before the steep test, and
-# dropped for steep chunks) rather than two; untimed.
-INTRA_A_ONE_PASS = 0
+# intra_a_fwd (the A's, Qg, Kr): K slices of BKA (bounded shared memory at any
+# K); a cap on its registers per thread (None: the compiler's choice, 255 at every
+# BKA; 168 lets three CTAs share an SM); one pass over K (the A's accumulated
+# before the steep test, dropped for steep chunks) rather than two. On the H200
+# (bf16, bench_kernels.py, 2026-11-30) one pass at BKA = 16 with the cap of 168:
+# intra_a_fwd 0.204 -> 0.197 ms at B1-T8192-H16, forward 2.416 -> 2.365 ms at
+# B2-T8192-H8-HV32; the A's change by 4e-4 (relative; the K slices' order of
+# summation), o and the grads likewise. BKA = 32 or 16 alone were slower (0.238,
+# 0.252 ms), as was the cap of 128 (0.217).
+BKA = 16
+INTRA_A_FWD_MAXNREG = 168
+INTRA_A_ONE_PASS = 1
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
 BKS = 32
@@ -97,24 +99,29 @@ SCAN_SMS = None
 SCAN_WARPS = 8
 SCAN_STAGES = 2  # where BK <= 128; one stage above
 # The forward scan alone (None: as above): its warps, stages (where BK <= 128) and
-# V block (before the doubling to one wave); Kr^T loaded transposed rather than
-# transposed in registers, and the state update as one accumulating dot
-# (state_fwd.py). fla's forward scan, 0.20 ms to our 0.35 at B1-T8192-H16 and 0.30
+# V block (before the doubling to one wave). fla's forward scan, 0.20 ms to our 0.35 at B1-T8192-H16 and 0.30
 # to 0.66 at B2-T8192-H8-HV32 (H200, 2026-11-30), runs 2 or 4 warps by autotuning.
+# On the H200 (bf16 dots, 2026-11-30): three stages 0.282 -> 0.208 ms at B1 (fla's
+# 0.199) and 0.472 -> 0.426 at B2 (fla's 0.298); four warps 0.443 at B2.
 SCAN_FWD_WARPS = None
-SCAN_FWD_STAGES = None
+SCAN_FWD_STAGES = 3
 BV_SCAN_FWD = None
-SCAN_KR_T_LOADS = 0
-SCAN_ACC_DOTS = 0
+# How many forward-scan programs one SM runs at once, for the V block's choice (a
+# wave = SMs x this): 2 where its warps and registers let two CTAs share an SM.
+SCAN_FWD_PER_SM = 1
 # bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
 # operands, the state and U' rounded to bf16 as they enter them (fp32
 # accumulation, fp32 state throughout), as fla's forward does; 0 keeps TF32 dots.
 # On the H200 (B1-T8192-H16, 2026-11-30, bench_kernels.py): the output kernel
 # 0.199 -> 0.091 ms with o within 3.3e-3 (relative) of the TF32 one, the level of
 # its own bf16 rounding (o's relative difference to fla stays 4.0e-3): on. The
-# scan 0.357 -> 0.289 ms, but the carried fp32 state then moves 2.5e-3 -> 3.1e-3
-# from fla's: off, the state being what decoding carries on from.
-SCAN_BF16_DOTS = 0
+# scan 0.357 -> 0.282 ms (0.208 with three stages; B2: 0.664 -> 0.426), the fp32
+# final state's relative difference to fla's 2.5e-3 -> 3.1e-3 (B2 2.4e-3 ->
+# 2.9e-3) and to the fp64 reference on the same bf16-rounded inputs 1.6e-3 ->
+# 2.4e-3 (interpreter with round-to-nearest emulation, T = 512, K = V = 64; o
+# unchanged at 4.3e-3): below bf16's own rounding (3.9e-3), as in fla, whose scan
+# rounds the same operands: on (since 2026-11-30; 0 restores TF32 dots there).
+SCAN_BF16_DOTS = 1
 OUTPUT_BF16_DOTS = 1
 # Untimed candidates of the same kind (bf16 inputs; 0 = TF32 dots): the backward
 # scan's two dots, and intra_wu_fwd's W = Tm (...) and U = Tm (...) (W is stored
@@ -210,12 +217,13 @@ def _sm_count(device: torch.device) -> int:
     return 132
 
 
-def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int) -> int:
+def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int, per_sm: int = 1) -> int:
     """The scans' V block: from ``bv_min``, doubled while the programs
-    (B * HV * V blocks) overflow one wave and a bigger block still splits V."""
-    sms = SCAN_SMS or _sm_count(device)
+    (B * HV * V blocks) overflow one wave (``per_sm`` programs on each SM) and a
+    bigger block still splits V."""
+    wave = (SCAN_SMS or _sm_count(device)) * per_sm
     bv = bv_min
-    while bv < min(BV_SCAN_MAX, triton.next_power_of_2(V)) and B * HV * triton.cdiv(V, bv) > sms:
+    while bv < min(BV_SCAN_MAX, triton.next_power_of_2(V)) and B * HV * triton.cdiv(V, bv) > wave:
         bv *= 2
     return bv
 
@@ -251,7 +259,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None) -> dict:
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
-        BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(BV_SCAN_FWD or 0, bv_scan_min)),
+        BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(BV_SCAN_FWD or 0, bv_scan_min), SCAN_FWD_PER_SM),
         SCAN_STAGES=SCAN_STAGES if BK <= 128 else 1,
         SCAN_FWD_STAGES=(SCAN_FWD_STAGES or SCAN_STAGES) if BK <= 128 else 1,
         SCAN_BF16_DOTS=bf16_operands and bool(SCAN_BF16_DOTS),
@@ -398,7 +406,6 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
         x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
-        KR_T_LOADS=bool(SCAN_KR_T_LOADS), ACC_DOTS=bool(SCAN_ACC_DOTS),
         num_warps=SCAN_FWD_WARPS or SCAN_WARPS, num_stages=s["SCAN_FWD_STAGES"],
     )
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import dot, dot_acc
+from ._dot import dot
 from ._indexing import sequence_and_heads
 
 
@@ -25,7 +25,6 @@ def kda_state_fwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    KR_T_LOADS: tl.constexpr = False, ACC_DOTS: tl.constexpr = False,
 ):
     # BF16_DOTS (bf16 W and Kr only): the state and U' enter the dots rounded to
     # bf16 (fp32 accumulation, S itself carried in fp32): half the MMA steps of TF32
@@ -67,19 +66,12 @@ def kda_state_fwd_kernel(
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-        if KR_T_LOADS:
-            b_krt = tl.load(kr + (o_t[None, :]) * (HV * K) + o_k[:, None], mask=m_k[:, None] & m_t[None, :],
-                            other=0.0)
-        else:
-            b_krt = tl.trans(tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0))
+        b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_up = b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(up + row_v, b_up, mask=m_t[:, None] & m_v[None, :])
 
         b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-        if ACC_DOTS:
-            b_s = dot_acc(b_krt, b_up, b_s * tl.exp(b_glast)[:, None], BF16_DOTS, DOT_PREC, INTERPRET)
-        else:
-            b_s = b_s * tl.exp(b_glast)[:, None] + dot(b_krt, b_up, BF16_DOTS, DOT_PREC, INTERPRET)
+        b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
     tl.store(chunk_states + NC * cs_stride + state_off, b_s, mask=m_kv)
     tl.store(ht + state_off, b_s, mask=m_kv)
