@@ -72,7 +72,9 @@ def sass_summary(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     return f"{fn.__name__:28s} warps {num_warps}: {len(lines)} instructions ({counts}){body}"
 
 
-def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> tuple[str, int]:
+    """A line on the kernel's registers, spills and shared memory; and the shared
+    memory in bytes."""
     start = time.time()
     kernel = _compile(fn, signature, constexprs, num_warps, num_stages)
     seconds = time.time() - start
@@ -85,12 +87,12 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     return (f"{fn.__name__:28s} warps {num_warps} stages {num_stages}: regs {regs.group(1) if regs else '?':>3s}, "
             f"spill st/ld {spill.group(1) if spill else '?'}/{spill.group(2) if spill else '?'} B, "
-            f"shared {kernel.metadata.shared} B, compile {seconds:.1f} s")
+            f"shared {kernel.metadata.shared} B, compile {seconds:.1f} s"), kernel.metadata.shared
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--head-dim", type=int, default=128, help="K = V")
     parser.add_argument("--scan-bv", type=int, default=None,
                         help="the scans' V block (default: launch.py's at one sequence and head)")
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=None, help="only kernels whose name contains this")
     parser.add_argument("--scale-type", default="fp32", choices=["fp32", "fp64"],
                         help="scale's type in the forward kernels' signatures (inductor passes fp64)")
+    parser.add_argument("--max-shared", type=int, default=None,
+                        help="exit with status 1 if a kernel needs more shared memory (bytes) than this")
     parser.add_argument("--set", nargs="*", default=[],
                         help="launch.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
     args = parser.parse_args(argv)
@@ -111,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     K = V = args.head_dim
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
     q = torch.empty(1, 1, 1, K, device="meta", dtype=dtype)
     s = _sizes(q, torch.empty(1, 1, 1, V, device="meta", dtype=dtype))
     if args.scan_bv:
@@ -119,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     x = f"*{args.dtype}"
     f32 = "*fp32"
     op = x if args.dtype == "bf16" else f32  # the scans' operand dtype (launch._operand_dtype)
-    prec = "tf32x3" if args.dtype == "fp32" else "tf32"
+    prec, steep_prec = L._dot_precision(dtype), L._steep_dot_precision(dtype)  # as launch.py passes them
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     scale_type = args.scale_type
     common = dict(K=K, V=V, BT=BT)
@@ -130,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
          L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale=scale_type, **ints),
-         dict(K=K, BT=BT, BC=BC, BKS=L.BKS, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
+         dict(K=K, BT=BT, BC=BC, BKS=L.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         (intra_wu_fwd.kda_intra_wu_fwd_kernel,
          dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=f32, tm=f32, **ints),
          dict(common, BC=BC, BK=s["BK"], BV=s["BV"], STORE_TM=True, DOT_PREC=prec, TM_ROW_LOADS=L.TM_ROW_LOADS,
@@ -167,17 +171,26 @@ def main(argv: list[str] | None = None) -> int:
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=f32, scale="fp32", **ints),
-         dict(K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
+         dict(K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(q=x, k=x, v=x, g=f32, beta=x, h0=f32, o=x, ht=f32, scale="fp32", T="i32", H="i32", HV="i32"),
          dict(K=K, V=V, BK=s["BK"], BV=L.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(L.RECURRENT_STREAM_HINTS)),
          L.RECURRENT_WARPS, 3),
     ]
     print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))
-    report = sass_summary if args.sass else resources
+    over = []
     for fn, sig, const, warps, stages in runs:
         if args.only is None or args.only in fn.__name__:
-            print(report(fn, sig, const, warps, stages), flush=True)
+            if args.sass:
+                print(sass_summary(fn, sig, const, warps, stages), flush=True)
+                continue
+            line, shared = resources(fn, sig, const, warps, stages)
+            print(line, flush=True)
+            if args.max_shared is not None and shared > args.max_shared:
+                over.append(f"{fn.__name__}: {shared} B")
+    if over:
+        print(f"over {args.max_shared} B of shared memory: {over}", flush=True)
+        return 1
     return 0
 
 

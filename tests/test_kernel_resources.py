@@ -1,0 +1,38 @@
+"""Every kernel, as launch.py launches it, fits the H200's shared memory (227 KB per
+block), checked without a GPU: Triton compiles for sm_90a here
+(benchmarks/kernel_resources.py). Twice a launch setting that the interpreter
+ran fine asked for more than that and failed only on the GPU (the scans' stages:
+263 KB at first; 240 KB with three forward-scan stages of fp32 operands)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+REPO = Path(__file__).resolve().parents[1]
+H200_SHARED_BYTES = 232448
+
+
+# Each input dtype (fp16 inputs: fp32 operands with TF32 dots, the case that
+# failed); K = V = 128 with the scans' V block at its smallest and at
+# BV_SCAN_MAX, and 256 (the largest: one scan stage).
+@pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("head_dim,scan_bv", [(128, None), (128, 64), (256, None)])
+def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
+    # Compiling needs Triton's own jit, not the interpreter's stand-in (conftest sets
+    # TRITON_INTERPRET=1 where there is no GPU): a subprocess without it.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, str(REPO / "benchmarks" / "kernel_resources.py"), "--dtype", dtype,
+           "--head-dim", str(head_dim), "--max-shared", str(H200_SHARED_BYTES)]
+    if scan_bv:
+        cmd += ["--scan-bv", str(scan_bv)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    assert run.stdout.count("shared ") >= 12, run.stdout  # every kernel reported
