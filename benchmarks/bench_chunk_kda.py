@@ -225,6 +225,7 @@ def write_table(rows, args, fla_version, csv_rows) -> None:
     if args.csv:
         with open(args.csv, "w") as f:
             f.write(f"# {meta}\n# python benchmarks/bench_chunk_kda.py --impl {args.impl} "
+                    f"--shapes {' '.join(args.shapes)} --rounds {args.rounds} "
                     f"--seq-lens {' '.join(map(str, args.seq_lens))} --csv {args.csv}\n")
             f.write("shape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n" + "\n".join(csv_rows) + "\n")
     if args.out:

@@ -187,6 +187,19 @@ verify)
     timeout "${BENCH_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --variants "${VARS[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     ;;
+sweep)
+    # One short call: the CUDA tests touched last ($SWEEP_TESTS, a -k expression),
+    # then ours and fla over sequence lengths on the first standard shape (one
+    # round each), the plot of it, and a CUDA profile.
+    step "CUDA tests (subset)"
+    timeout "${TEST_LIMIT:-120}" python3 -m pytest -q -ra --tb=short tests/test_cuda.py tests/test_profiling.py \
+        -k "${SWEEP_TESTS:-half or strong or trace}" > "$OUT/t1.txt" 2>&1
+    collect_tests
+    step "sequence sweep"
+    timeout "${SWEEP_LIMIT:-150}" python3 benchmarks/bench_chunk_kda.py --shapes B1-T8192-H16 --rounds 1 \
+        --seq-lens ${SEQ_LENS:-2048 4096 8192 16384} --csv "$OUT/results_seq_sweep.csv" >> "$LOG" 2>&1
+    python3 profiling/plot_benchmark.py "$OUT/results_seq_sweep.csv" --out "$OUT/benchmark.png" >> "$LOG" 2>&1
+    ;;
 explore)
     # One call: the CUDA export tests in the background (CPU-bound compiles), our
     # kernels under $CANDIDATES on both standard shapes (each checked against the
@@ -209,7 +222,7 @@ explore)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto|breakdown|explore|verify" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto|breakdown|explore|verify|sweep" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"
