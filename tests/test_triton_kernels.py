@@ -295,10 +295,10 @@ def test_triton_grid_limits_are_refused_with_advice():
             fn(q, q, v, g, beta, None, None)
 
 
-BF16_DOT_SETTINGS = ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BWD_SCAN_BF16_DOTS", "WU_BF16_DOTS")
+BF16_DOT_SETTINGS = ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "WU_BF16_DOTS")
 
 
-@pytest.mark.parametrize("bf16_dots", [(), ("SCAN_BF16_DOTS",), ("OUTPUT_BF16_DOTS",), ("BWD_SCAN_BF16_DOTS",),
+@pytest.mark.parametrize("bf16_dots", [(), ("SCAN_BF16_DOTS",), ("OUTPUT_BF16_DOTS",),
                                        ("WU_BF16_DOTS",), BF16_DOT_SETTINGS])
 def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
     """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'

@@ -19,7 +19,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import dot
 from ._indexing import sequence_and_heads
 
 
@@ -89,10 +88,7 @@ def kda_state_bwd_kernel(
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
-    BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
-    # BF16_DOTS (bf16 W and Kr only): dS and dU' enter the dots rounded to bf16
-    # (fp32 accumulation; dS carried in fp32), as in the forward scan.
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -138,11 +134,11 @@ def kda_state_bwd_kernel(
         tl.debug_barrier()
         tl.store(p_ds, b_ds, mask=m_kv)
 
-        b_kr = tl.load(kr + row_k, mask=m_tk, other=0.0)
-        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)
+        b_kr = tl.load(kr + row_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
         # dU' = A_qk^T dO (from the prep kernel) + Kr dS_C
-        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0) + dot(b_kr, b_ds, BF16_DOTS, DOT_PREC, INTERPRET)
+        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0) + tl.dot(b_kr, b_ds, input_precision=DOT_PREC)
         tl.store(dup + row_v, b_dup, mask=m_tv)
-        b_ds = b_next - dot(tl.trans(b_w), b_dup, BF16_DOTS, DOT_PREC, INTERPRET)
+        b_ds = b_next - tl.dot(tl.trans(b_w), b_dup, input_precision=DOT_PREC)
 
     tl.store(dh0 + state_off, b_ds, mask=m_kv)
