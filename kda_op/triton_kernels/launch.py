@@ -98,16 +98,16 @@ BV_SCAN_MAX = 64
 SCAN_SMS = None
 SCAN_WARPS = 8
 SCAN_STAGES = 2  # where BK <= 128; one stage above
-# The forward scan alone (None: as above): its warps, stages (where BK <= 128) and
-# V block (before the doubling to one wave). fla's forward scan, 0.20 ms to our 0.35 at B1-T8192-H16 and 0.30
-# to 0.66 at B2-T8192-H8-HV32 (H200, 2026-11-30), runs 2 or 4 warps by autotuning.
-# On the H200 (bf16 dots, 2026-11-30): three stages 0.282 -> 0.208 ms at B1 (fla's
-# 0.199) and 0.472 -> 0.426 at B2 (fla's 0.298); four warps 0.443 at B2.
+# The forward scan alone (None: as above): its warps, stages (bf16 operands and
+# BK <= 128 only; see _sizes) and V block (before the doubling to one wave); and
+# how many of its programs one SM runs at once, for the V block's choice (a wave =
+# SMs x SCAN_FWD_PER_SM). On the H200 (bf16 dots, 2026-11-30): three stages
+# 0.282 -> 0.208 ms at B1-T8192-H16 (fla's scan: 0.199) and 0.472 -> 0.426 at
+# B2-T8192-H8-HV32 (fla's: 0.298); forward at B2 with four warps 2.119 ms against
+# 2.127 (noise), with four warps and two programs per SM (V block 32) 2.246.
 SCAN_FWD_WARPS = None
 SCAN_FWD_STAGES = 3
 BV_SCAN_FWD = None
-# How many forward-scan programs one SM runs at once, for the V block's choice (a
-# wave = SMs x this): 2 where its warps and registers let two CTAs share an SM.
 SCAN_FWD_PER_SM = 1
 # bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
 # operands, the state and U' rounded to bf16 as they enter them (fp32
