@@ -182,31 +182,45 @@ def parse_setting(setting: str) -> dict:
 
 
 def setting_value(default, value: str):
-    """A setting's value from text, typed as launch.py's default (int where None)."""
-    return int(value) if default is None else type(default)(value)
+    """A setting's value from text, typed as its default (int where None, 0/1 for bools)."""
+    if default is None:
+        return int(value)
+    if isinstance(default, bool):
+        return bool(int(value))
+    return type(default)(value)
+
+
+def setting_modules() -> dict:
+    """Every upper-case setting the benchmarks may change, by name: launch.py's, and
+    kda_op._contract's BF16_RESIDUALS (U and U' in bf16)."""
+    from kda_op import _contract
+    from kda_op.triton_kernels import launch
+
+    owners = {n: launch for n in dir(launch) if n.isupper()}
+    owners["BF16_RESIDUALS"] = _contract
+    return owners
 
 
 def launch_settings(variant: str):
-    """A context (factory) in which some of launch.py's module-level settings are
-    changed, e.g. ``"SCAN_BF16_DOTS=1,OUTPUT_WARPS=4"``; restored on exit."""
-    from kda_op.triton_kernels import launch
-
+    """A context (factory) in which some of those settings are changed, e.g.
+    ``"SCAN_BF16_DOTS=1,OUTPUT_WARPS=4"``; restored on exit."""
+    owners = setting_modules()
     changes = {}
     for n, value in parse_setting(variant).items():
-        if not n.isupper() or not hasattr(launch, n):
+        if n not in owners:
             raise SystemExit(f"unknown setting {n!r} in --variants {variant!r}")
-        changes[n] = setting_value(getattr(launch, n), value)
+        changes[n] = setting_value(getattr(owners[n], n), value)
 
     @contextlib.contextmanager
     def settings():
-        saved = {n: getattr(launch, n) for n in changes}
+        saved = {n: getattr(owners[n], n) for n in changes}
         for n, value in changes.items():
-            setattr(launch, n, value)
+            setattr(owners[n], n, value)
         try:
             yield
         finally:
             for n, value in saved.items():
-                setattr(launch, n, value)
+                setattr(owners[n], n, value)
 
     return settings
 

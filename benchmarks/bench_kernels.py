@@ -19,20 +19,22 @@ import sys
 import torch
 import triton.testing
 
-from bench_chunk_kda import SHAPES, kernel_times, make_inputs, parse_setting, setting_value
+from bench_chunk_kda import SHAPES, kernel_times, make_inputs, parse_setting, setting_modules, setting_value
 
 # Most informative first (a time limit cuts the tail): the kept intermediates
-# against recomputing them; then the forward scan, the stage furthest above fla's
-# at B2 (0.43 ms to 0.30): four warps, alone and with two programs per SM (V
-# blocks of 32 at B2), a fourth stage, TF32 dots again; then the rest untried.
-DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "SCAN_FWD_WARPS=4", "SCAN_FWD_WARPS=4,SCAN_FWD_PER_SM=2",
-                    "SCAN_FWD_STAGES=4", "SCAN_BF16_DOTS=0", "WU_BF16_DOTS=1", "INTRA_BWD_WARPS=8"]
+# against recomputing them; U and U' in bf16 (the output kernel is at the copy
+# ceiling at B2, and those are a third of its bytes); the forward scan, the stage
+# furthest above fla's at B2 (0.43 ms to 0.30): a fourth stage, TF32 dots again;
+# then the rest untried.
+DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BF16_RESIDUALS=1", "SCAN_FWD_STAGES=4", "SCAN_BF16_DOTS=0",
+                    "INTRA_BWD_WARPS=8"]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
-                        help="comma-separated NAME=VALUE of launch.py's upper-case settings, one string per run")
+                        help="comma-separated NAME=VALUE of launch.py's upper-case settings (and "
+                             "BF16_RESIDUALS), one string per run")
     parser.add_argument("--shape", default=SHAPES[0][0], choices=[name for name, *_ in SHAPES],
                         help="which standard shape to time")
     parser.add_argument("--best-out", default=None,
@@ -41,12 +43,12 @@ def main() -> int:
     args = parser.parse_args()
 
     from kda_op import chunk_kda
-    from kda_op.triton_kernels import launch
 
     name, B, T, H, HV = next(shape for shape in SHAPES if shape[0] == args.shape)
     inputs, do = make_inputs(B, T, H, HV)
     q, k, v, g, beta, h0 = inputs
-    defaults = {n: getattr(launch, n) for n in dir(launch) if n.isupper()}
+    owners = setting_modules()
+    defaults = {n: getattr(owner, n) for n, owner in owners.items()}
     mode = {"recompute": False}
 
     def fwd():
@@ -73,15 +75,15 @@ def main() -> int:
         forward+backward ms, max relative difference of outputs and grads to the
         defaults')."""
         for n, value in defaults.items():
-            setattr(launch, n, value)
+            setattr(owners[n], n, value)
         mode["recompute"] = False
         for n, value in parse_setting(setting).items():
             if n == "RECOMPUTE":
                 mode["recompute"] = bool(int(value))
                 continue
             if n not in defaults:
-                raise SystemExit(f"unknown setting {n!r}; launch.py has {sorted(defaults)}")
-            setattr(launch, n, setting_value(defaults[n], value))
+                raise SystemExit(f"unknown setting {n!r}; there are {sorted(defaults)}")
+            setattr(owners[n], n, setting_value(defaults[n], value))
         got = results()  # compiles
         if not reference:
             reference.extend(got)

@@ -57,6 +57,21 @@ def scan_operand_dtype(input_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if input_dtype == torch.bfloat16 else torch.float32
 
 
+# U and U' (the scan's input and residuals) in bf16 for bf16 inputs instead of
+# fp32: an untimed candidate (off). The output kernel and the forward scan are near
+# the H200's bandwidth at B2-T8192-H8-HV32 (the output moves ~1.2 GB in 0.28 ms), and
+# U, U' are 0.4 GB of that traffic in fp32; fla keeps them in bf16. Both the CUDA
+# kernels and the fake kernel's size of the kept intermediates read it: set it
+# before anything is traced.
+BF16_RESIDUALS = False
+
+
+def residual_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """dtype of U = Tm diag(beta) V and U' = U - W S0 in the CUDA forward: fp32, or
+    bf16 for bf16 inputs under ``BF16_RESIDUALS``."""
+    return torch.bfloat16 if BF16_RESIDUALS and input_dtype == torch.bfloat16 else torch.float32
+
+
 def _round_up(nbytes, multiple: int = 256):
     return (nbytes + multiple - 1) // multiple * multiple
 
@@ -70,8 +85,8 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
 
       gam  [B, NC*C, HV, K] fp32   cumulative log decay in each chunk (padded rows)
       akk, aqk, tm  [B, T, HV, C] fp32   the chunk's A_kk, A_qk and (I + diag(beta) A_kk)^-1
-      u    [B, T, HV, V] fp32      Tm diag(beta) V
-      up   [B, T, HV, V] fp32      U - W S0, the residuals of the forward's scan
+      u    [B, T, HV, V] fp32      Tm diag(beta) V        (residual_dtype: bf16 under BF16_RESIDUALS)
+      up   [B, T, HV, V] fp32      U - W S0, the residuals of the forward's scan (likewise)
       qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
       steep [B, NC, HV] int32      which chunks took the steep path
     """
@@ -85,8 +100,8 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
         ("akk", (B, T, HV, C), torch.float32),
         ("aqk", (B, T, HV, C), torch.float32),
         ("tm", (B, T, HV, C), torch.float32),
-        ("u", (B, T, HV, V), torch.float32),
-        ("up", (B, T, HV, V), torch.float32),
+        ("u", (B, T, HV, V), residual_dtype(input_dtype)),
+        ("up", (B, T, HV, V), residual_dtype(input_dtype)),
         ("qg", (B, T, HV, K), operand),
         ("kr", (B, T, HV, K), operand),
         ("w", (B, T, HV, K), operand),

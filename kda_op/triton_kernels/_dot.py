@@ -1,4 +1,5 @@
-"""Dots shared by the kernels: TF32-family or, optionally, bf16 operands."""
+"""Dots shared by the kernels (TF32-family or, optionally, bf16 operands), and
+bf16 rounding as the GPU does it, for the interpreter."""
 
 from __future__ import annotations
 
@@ -37,3 +38,15 @@ def dot(a, b, BF16_DOTS: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.con
         return dot_bf16(a, b, INTERPRET)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=DOT_PREC)
+
+
+@triton.jit
+def as_stored(x, ptr, INTERPRET: tl.constexpr):
+    """``x`` ready to store through ``ptr``: unchanged on the GPU, whose conversion
+    to bf16 rounds to nearest; under the interpreter (``INTERPRET``), whose own
+    cast truncates, rounded to nearest first where ``ptr`` holds bf16, so that CPU
+    runs see the GPU's rounding of bf16 intermediates and outputs."""
+    if INTERPRET:
+        if ptr.dtype.element_ty == tl.bfloat16:
+            x = _round_to_bf16_as_fp32(x)
+    return x

@@ -28,6 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._dot import as_stored
 from ._indexing import sequence_and_heads
 
 
@@ -49,6 +50,7 @@ def kda_intra_a_fwd_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, ONE_PASS: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False,
 ):
     # ONE_PASS: accumulate the A's in the first pass already, as if the chunk were
     # not steep (its middle row is in every K slice), and drop them if it is: no
@@ -98,8 +100,9 @@ def kda_intra_a_fwd_kernel(
         spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_gam - b_gmid[None, :]), 1), 0))
         b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        tl.store(qg + p_tk, (b_q * tl.exp(b_gam)).to(qg.dtype.element_ty), mask=m_tk)
-        tl.store(kr + p_tk, (b_k * tl.exp(b_glast[None, :] - b_gam)).to(kr.dtype.element_ty), mask=m_tk)
+        tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
+        tl.store(kr + p_tk, as_stored(b_k * tl.exp(b_glast[None, :] - b_gam), kr, INTERPRET).to(kr.dtype.element_ty),
+                 mask=m_tk)
         if ONE_PASS:
             b_akk, b_aqk = _split_a_dots(b_q, b_k, b_gam - b_gmid[None, :], b_akk, b_aqk, DOT_PREC)
 

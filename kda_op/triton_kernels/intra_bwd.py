@@ -62,7 +62,7 @@ def kda_intra_bwd_kernel(
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
+        b_up = tl.load(up + row_v, mask=m_tv, other=0.0).to(tl.float32)
         b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
         b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)
         b_daqk += tl.dot(b_do, tl.trans(b_up), input_precision=DOT_PREC)

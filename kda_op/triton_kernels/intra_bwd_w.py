@@ -76,7 +76,7 @@ def kda_intra_bwd_w_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
+        b_up = tl.load(up + row_v, mask=m_tv, other=0.0).to(tl.float32)
         b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
         sv = o_s[:, None] * V + o_v[None, :]
         m_sv = m_s[:, None] & m_v[None, :]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import dot
+from ._dot import as_stored, dot
 from ._indexing import sequence_and_heads
 
 
@@ -95,11 +95,12 @@ def kda_intra_wu_fwd_kernel(
     # gam is reloaded rather than kept live through the inverse (register pressure).
     b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
     b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
-    tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], b_w.to(w.dtype.element_ty), mask=m_t[:, None] & m_k[None, :])
+    tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
+             mask=m_t[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
         p_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_u = dot(b_tm, b_beta[:, None] * b_v, BF16_DOTS, DOT_PREC, INTERPRET)
-        tl.store(u + p_v, b_u, mask=m_t[:, None] & m_v[None, :])
+        tl.store(u + p_v, as_stored(b_u, u, INTERPRET), mask=m_t[:, None] & m_v[None, :])

@@ -18,7 +18,7 @@ import triton
 from torch import Tensor
 from torch.profiler import record_function
 
-from .._contract import CHUNK_SIZE, intermediates_layout, scan_operand_dtype
+from .._contract import CHUNK_SIZE, intermediates_layout, residual_dtype, scan_operand_dtype
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
@@ -117,10 +117,10 @@ SCAN_FWD_PER_SM = 1
 # its own bf16 rounding (o's relative difference to fla stays 4.0e-3): on. The
 # scan 0.357 -> 0.282 ms (0.208 with three stages; B2: 0.664 -> 0.426), the fp32
 # final state's relative difference to fla's 2.5e-3 -> 3.1e-3 (B2 2.4e-3 ->
-# 2.9e-3) and to the fp64 reference on the same bf16-rounded inputs 1.6e-3 ->
-# 2.4e-3 (interpreter with round-to-nearest emulation, T = 512, K = V = 64; o
-# unchanged at 4.3e-3): below bf16's own rounding (3.9e-3), as in fla, whose scan
-# rounds the same operands: on (since 2026-11-30; 0 restores TF32 dots there).
+# 2.9e-3) and to the fp64 reference on the same bf16-rounded inputs 0.9e-3 ->
+# 2.0e-3 (interpreter with the GPU's round-to-nearest, _dot.py, T = 512, K = V =
+# 64; o unchanged at 2.9e-3): below bf16's own rounding (3.9e-3), as in fla, whose
+# scan rounds the same operands: on (since 2026-11-30; 0 restores TF32 dots).
 SCAN_BF16_DOTS = 1
 OUTPUT_BF16_DOTS = 1
 # The same for intra_wu_fwd's W = Tm (...) and U = Tm (...) (W is stored in bf16
@@ -290,7 +290,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             qg=torch.empty(B, T, HV, K, **operand),
             kr=torch.empty(B, T, HV, K, **operand),
             w=torch.empty(B, T, HV, K, **operand),
-            u=torch.empty(B, T, HV, V, **f32),
+            u=torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype)),
             tm=torch.empty(B, T, HV, BT, **f32) if store_tm else None,
         )
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
@@ -299,7 +299,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     regs = {} if INTRA_A_FWD_MAXNREG is None else dict(maxnreg=INTRA_A_FWD_MAXNREG)
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, ONE_PASS=bool(INTRA_A_ONE_PASS),
-        num_warps=INTRA_A_FWD_WARPS, **regs,
+        INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
     )
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
         q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
@@ -390,7 +390,8 @@ def kda_fwd_triton(
             x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept)
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
-    up = kept["up"] if keep_intermediates and NC > 0 else torch.empty(B, T, HV, V, **f32)
+    up = kept["up"] if keep_intermediates and NC > 0 else torch.empty(B, T, HV, V, device=q.device,
+                                                                        dtype=residual_dtype(q.dtype))
     with record_function("kda_op::fwd::state_scan"):
         _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=False)
     if NC > 0:
@@ -446,7 +447,7 @@ def kda_fwd_triton_export(
     ht = torch.empty(B, HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True)
-    up = torch.empty(B, T, HV, V, **f32)
+    up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=True)
     _output_fwd(x, up, chunk_states, o, s, prec, traced=True)
     return o, ht, chunk_states
@@ -489,7 +490,7 @@ def kda_bwd_triton(
 
     # U' = U - W S0: the forward's own when it kept its intermediates, else made
     # by the prep kernel below
-    up = x["up"] if "up" in x else torch.empty(B, T, HV, V, **f32)
+    up = x["up"] if "up" in x else torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     dup = torch.empty(B, T, HV, V, **f32)
     dchunk_states = torch.empty(B, NC, HV, K, V, **f32)
     dh0 = torch.empty(B, HV, K, V, **f32)
@@ -500,7 +501,7 @@ def kda_bwd_triton(
             up, dup, dchunk_states,
             T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-            HAS_UP="up" in x, DOT_PREC=prec, num_warps=8,
+            HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, num_warps=8,
         )
         kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
             x["kr"], x["w"], gam, dht_arg,

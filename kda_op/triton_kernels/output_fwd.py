@@ -8,7 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import dot
+from ._dot import as_stored, dot
 from ._indexing import sequence_and_heads
 
 
@@ -57,4 +57,4 @@ def kda_output_fwd_kernel(
     b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     b_o = dot(b_qg, b_s0, BF16_DOTS, DOT_PREC, INTERPRET)
     b_o += dot(b_a, b_up, BF16_DOTS, DOT_PREC, INTERPRET)
-    tl.store(o + row_v, b_o.to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+    tl.store(o + row_v, as_stored(b_o, o, INTERPRET).to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])

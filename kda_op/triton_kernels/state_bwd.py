@@ -19,6 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._dot import as_stored
 from ._indexing import sequence_and_heads
 
 
@@ -30,7 +31,7 @@ def kda_state_bwd_prep_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_UP: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_UP: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr = False,
 ):
     """HAS_UP: U' is already there (the forward kept it); skip S0, W and U."""
     # The V block varies fastest over the grid: the blocks of one chunk run side by
@@ -68,8 +69,8 @@ def kda_state_bwd_prep_kernel(
     if not HAS_UP:
         b_s0 = tl.load(chunk_states + state_off, mask=m_kv, other=0.0)
         b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_u = tl.load(u + row_v, mask=m_tv, other=0.0)
-        tl.store(up + row_v, b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC), mask=m_tv)
+        b_u = tl.load(u + row_v, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(up + row_v, as_stored(b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC), up, INTERPRET), mask=m_tv)
 
     b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
     b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import dot
+from ._dot import as_stored, dot
 from ._indexing import sequence_and_heads
 
 
@@ -65,10 +65,10 @@ def kda_state_fwd_kernel(
         row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_up = b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
-        tl.store(up + row_v, b_up, mask=m_t[:, None] & m_v[None, :])
+        tl.store(up + row_v, as_stored(b_up, up, INTERPRET), mask=m_t[:, None] & m_v[None, :])
 
         b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
