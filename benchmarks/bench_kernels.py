@@ -22,11 +22,12 @@ import triton.testing
 from bench_chunk_kda import SHAPES, kernel_times, make_inputs, parse_setting, setting_modules, setting_value
 
 # Most informative first (a time limit cuts the tail): the kept intermediates
-# against recomputing them; U and U' in bf16 (the output kernel is at the copy
-# ceiling at B2, and those are a third of its bytes); the forward scan, the stage
+# against recomputing them; U, U' and the chunk states in bf16 (the output kernel
+# is at the copy ceiling at B2, and those are two thirds of its bytes); the forward scan, the stage
 # furthest above fla's at B2 (0.43 ms to 0.30): a fourth stage, TF32 dots again;
 # then the rest untried.
-DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BF16_RESIDUALS=1", "SCAN_FWD_STAGES=4", "SCAN_BF16_DOTS=0",
+DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BF16_RESIDUALS=1", "BF16_CHUNK_STATES=1",
+                    "BF16_RESIDUALS=1,BF16_CHUNK_STATES=1", "SCAN_FWD_STAGES=4", "SCAN_BF16_DOTS=0",
                     "INTRA_BWD_WARPS=8"]
 
 
@@ -34,7 +35,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
                         help="comma-separated NAME=VALUE of launch.py's upper-case settings (and "
-                             "BF16_RESIDUALS), one string per run")
+                             "BF16_RESIDUALS, BF16_CHUNK_STATES), one string per run")
     parser.add_argument("--shape", default=SHAPES[0][0], choices=[name for name, *_ in SHAPES],
                         help="which standard shape to time")
     parser.add_argument("--best-out", default=None,

@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 from kda_op.triton_kernels import intra_a_fwd, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
 from kda_op import _contract
-from kda_op._contract import residual_dtype
+from kda_op._contract import chunk_states_dtype, residual_dtype
 from kda_op.triton_kernels import launch as L
 from kda_op.triton_kernels.launch import BC, BKD, BKD_A, BT, MAX_SPLIT, _sizes
 
@@ -107,10 +107,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="exit with status 1 if a kernel needs more shared memory (bytes) than this")
     parser.add_argument("--bf16-residuals", action="store_true",
                         help="U and U' in bf16 for bf16 inputs (kda_op._contract.BF16_RESIDUALS)")
+    parser.add_argument("--bf16-chunk-states", action="store_true",
+                        help="the chunk states in bf16 for bf16 inputs (kda_op._contract.BF16_CHUNK_STATES)")
     parser.add_argument("--set", nargs="*", default=[],
                         help="launch.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
     args = parser.parse_args(argv)
     _contract.BF16_RESIDUALS = args.bf16_residuals
+    _contract.BF16_CHUNK_STATES = args.bf16_chunk_states
     for item in args.set:
         name, value = item.split("=")
         if not name.isupper() or not hasattr(L, name):
@@ -128,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     x = f"*{args.dtype}"
     f32 = "*fp32"
     op = x if args.dtype == "bf16" else f32  # the scans' operand dtype (launch._operand_dtype)
-    res = f"*{str(residual_dtype(dtype)).replace('torch.bfloat16', 'bf16').replace('torch.float32', 'fp32')}"
+    names = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
+    res = names[residual_dtype(dtype)]
+    cs = names[chunk_states_dtype(dtype, "cuda")]
     prec, steep_prec = L._dot_precision(dtype), L._steep_dot_precision(dtype)  # as launch.py passes them
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     scale_type = args.scale_type
@@ -147,22 +152,22 @@ def main(argv: list[str] | None = None) -> int:
               BF16_DOTS=L.WU_BF16_DOTS and args.dtype == "bf16"),
          L.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else L.INTRA_WU_FWD_WARPS, 3),
         (state_fwd.kda_state_fwd_kernel,
-         dict(kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=f32, ht=f32, **ints),
+         dict(kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=cs, ht=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV_SCAN_FWD"], HAS_H0=True, DOT_PREC=prec,
               BF16_DOTS=L.SCAN_BF16_DOTS and args.dtype == "bf16"),
          L.SCAN_FWD_WARPS or L.SCAN_WARPS, s["SCAN_FWD_STAGES"]),
         (output_fwd.kda_output_fwd_kernel,
-         dict(qg=op, aqk=f32, up=res, chunk_states=f32, o=x, **ints),
+         dict(qg=op, aqk=f32, up=res, chunk_states=cs, o=x, **ints),
          dict(common, BK=s["BK"], BV=L.BV_OUTPUT or s["BV"], DOT_PREC=prec,
               BF16_DOTS=L.OUTPUT_BF16_DOTS and args.dtype == "bf16"), L.OUTPUT_WARPS, 3),
         (state_bwd.kda_state_bwd_prep_kernel,
-         dict(qg=op, w=op, u=res, aqk=f32, chunk_states=f32, do=x, up=res, dup=f32, dchunk_states=f32, **ints),
+         dict(qg=op, w=op, u=res, aqk=f32, chunk_states=cs, do=x, up=res, dup=f32, dchunk_states=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV"], HAS_UP=True, DOT_PREC=prec), 8, 3),
         (state_bwd.kda_state_bwd_kernel,
          dict(kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=f32, dh0=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), L.SCAN_WARPS, s["SCAN_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
-         dict(q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=f32, dchunk_states=f32, do=x,
+         dict(q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=f32, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, scale="fp32", **ints),
          dict(common, BKS=L.BKS, BV=s["BV"], DOT_PREC=prec), L.INTRA_BWD_W_WARPS, 1),
         (intra_bwd.kda_intra_bwd_kernel,

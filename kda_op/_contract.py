@@ -72,6 +72,24 @@ def residual_dtype(input_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if BF16_RESIDUALS and input_dtype == torch.bfloat16 else torch.float32
 
 
+# The chunk states (the forward's third output, what the backward starts from) in
+# bf16 for bf16 inputs where the CUDA kernels serve, instead of fp32: an untimed
+# candidate (off). At B2-T8192-H8-HV32 they are 0.54 GB written by the scan and read
+# by the output kernel, which is at the copy ceiling there; fla keeps its h in
+# bf16. The output kernel rounds them to bf16 anyway (OUTPUT_BF16_DOTS); the
+# backward's dots then read them rounded. The final state stays fp32. Read by the
+# CUDA forward and the fake kernels: set it before anything is traced.
+BF16_CHUNK_STATES = False
+
+
+def chunk_states_dtype(input_dtype: torch.dtype, device_type: str) -> torch.dtype:
+    """dtype of ``chunk_kda_fwd``'s chunk states: ``state_dtype``, or bf16 for bf16
+    inputs on the chunked CUDA kernels under ``BF16_CHUNK_STATES``."""
+    if BF16_CHUNK_STATES and input_dtype == torch.bfloat16 and chunked_kernels_serve(device_type, input_dtype):
+        return torch.bfloat16
+    return state_dtype(input_dtype)
+
+
 def _round_up(nbytes, multiple: int = 256):
     return (nbytes + multiple - 1) // multiple * multiple
 

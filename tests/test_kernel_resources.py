@@ -25,6 +25,15 @@ H200_SHARED_BYTES = 232448
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("head_dim,scan_bv", [(128, None), (128, 64), (256, None)])
 def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
+    _check_shared(dtype, head_dim, scan_bv)
+
+
+def test_kernels_fit_the_h200_shared_memory_with_bf16_intermediates():
+    """The untimed options that keep U, U' and the chunk states in bf16."""
+    _check_shared("bf16", 128, 64, "--bf16-residuals", "--bf16-chunk-states")
+
+
+def _check_shared(dtype, head_dim, scan_bv, *extra):
     # Compiling needs Triton's own jit, not the interpreter's stand-in (conftest sets
     # TRITON_INTERPRET=1 where there is no GPU): a subprocess without it.
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -33,6 +42,7 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
            "--head-dim", str(head_dim), "--max-shared", str(H200_SHARED_BYTES)]
     if scan_bv:
         cmd += ["--scan-bv", str(scan_bv)]
+    cmd += list(extra)
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     assert run.stdout.count("shared ") >= 12, run.stdout  # every kernel reported

@@ -300,20 +300,24 @@ BF16_DOT_SETTINGS = ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "WU_BF16_DOTS")
 
 @pytest.mark.parametrize("bf16_dots", [(), ("SCAN_BF16_DOTS",), ("OUTPUT_BF16_DOTS",),
                                        ("WU_BF16_DOTS",), BF16_DOT_SETTINGS,
-                                       ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_RESIDUALS")])
+                                       ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_RESIDUALS"),
+                                       ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_CHUNK_STATES")])
 def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
     """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'
     operand dtype); o and the grads come back in bf16. With TF32 dots, with bf16
     operands in each group of dots that has the option (launch.*_BF16_DOTS), and
-    with U and U' in bf16 (_contract.BF16_RESIDUALS)."""
+    with U and U' in bf16 (_contract.BF16_RESIDUALS), with the chunk states in bf16
+    (_contract.BF16_CHUNK_STATES)."""
     from kda_op.triton_kernels import launch
 
     from kda_op import _contract
 
     for name in BF16_DOT_SETTINGS:
         monkeypatch.setattr(launch, name, int(name in bf16_dots))
-    # U and U' kept in bf16 (the kept intermediates' layout changes with it)
+    # U and U' kept in bf16 (the kept intermediates' layout changes with it); the
+    # chunk states in bf16
     monkeypatch.setattr(_contract, "BF16_RESIDUALS", "BF16_RESIDUALS" in bf16_dots)
+    monkeypatch.setattr(_contract, "BF16_CHUNK_STATES", "BF16_CHUNK_STATES" in bf16_dots)
     names = ("q", "k", "v", "g", "beta")
     inputs = make_inputs(B=1, T=CHUNK_SIZE + 86, H=1, G=2, K=32, V=32, dtype=torch.float64, seed=3)
     x64 = [inputs[n] for n in names]
@@ -332,7 +336,8 @@ def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
     for keep in (False, True):
         o, ht, cs, kept = kda_fwd_triton(*args, keep_intermediates=keep)
         grads = kda_bwd_triton(*args, cs, do.to(DEVICE), dht.to(DEVICE), intermediates=kept if keep else None)
-        assert o.dtype == torch.bfloat16 and grads[0].dtype == torch.bfloat16
+        assert o.dtype == torch.bfloat16 and grads[0].dtype == torch.bfloat16 and ht.dtype == torch.float32
+        assert cs.dtype == (torch.bfloat16 if "BF16_CHUNK_STATES" in bf16_dots else torch.float32)
         for name, got, want in zip(("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0"),
                                    (o, ht) + tuple(grads), (o_ref, ht_ref) + tuple(grads_ref)):
             err = ((got.cpu().double() - want).norm() / want.norm()).item()

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._contract import intermediates_layout, num_chunk_boundaries, state_dtype
+from .._contract import chunk_states_dtype, intermediates_layout, num_chunk_boundaries, state_dtype
 
 
 def _output_and_final_state(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -37,7 +37,8 @@ def chunk_kda_fwd_fake(
     o, final_state = _output_and_final_state(q, v)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    chunk_states = q.new_empty((B, num_chunk_boundaries(T), HV, K, V), dtype=final_state.dtype)
+    chunk_states = q.new_empty((B, num_chunk_boundaries(T), HV, K, V),
+                               dtype=chunk_states_dtype(q.dtype, q.device.type))
     # The kept intermediates exist only where the chunked CUDA kernels serve.
     nbytes = intermediates_layout(B, T, HV, K, V, q.dtype, q.device.type)[1] if keep_intermediates else 0
     intermediates = q.new_empty((nbytes,), dtype=torch.uint8)

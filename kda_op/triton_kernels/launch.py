@@ -18,7 +18,7 @@ import triton
 from torch import Tensor
 from torch.profiler import record_function
 
-from .._contract import CHUNK_SIZE, intermediates_layout, residual_dtype, scan_operand_dtype
+from .._contract import CHUNK_SIZE, chunk_states_dtype, intermediates_layout, residual_dtype, scan_operand_dtype
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
@@ -367,7 +367,7 @@ def kda_fwd_triton(
     intermediates = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
     if keep_intermediates:
         _zero_alignment_gaps(intermediates, layout, nbytes)
-    chunk_states = torch.empty(B, NC + 1, HV, K, V, **f32)
+    chunk_states = torch.empty(B, NC + 1, HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
     # Short sequences: one token-by-token launch, unless the backward wants the
     # chunked intermediates.
     if 0 < T <= RECURRENT_MAX_T and not keep_intermediates:
@@ -443,7 +443,7 @@ def kda_fwd_triton_export(
     h0 = None if initial_state is None else initial_state.contiguous()
     prec = _dot_precision(q.dtype)
 
-    chunk_states = torch.empty(B, NC + 1, HV, K, V, **f32)
+    chunk_states = torch.empty(B, NC + 1, HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
     ht = torch.empty(B, HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True)

@@ -67,7 +67,7 @@ def kda_state_bwd_prep_kernel(
     row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
 
     if not HAS_UP:
-        b_s0 = tl.load(chunk_states + state_off, mask=m_kv, other=0.0)
+        b_s0 = tl.load(chunk_states + state_off, mask=m_kv, other=0.0).to(tl.float32)
         b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
         b_u = tl.load(u + row_v, mask=m_tv, other=0.0).to(tl.float32)
         tl.store(up + row_v, as_stored(b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC), up, INTERPRET), mask=m_tv)

@@ -59,7 +59,7 @@ def kda_state_fwd_kernel(
 
     o_r = tl.arange(0, BT)
     for i_c in range(NC):
-        tl.store(chunk_states + i_c * cs_stride + state_off, b_s, mask=m_kv)
+        tl.store(chunk_states + i_c * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
         o_t = i_c * BT + o_r
         m_t = o_t < T
         row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
@@ -73,5 +73,5 @@ def kda_state_fwd_kernel(
         b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
-    tl.store(chunk_states + NC * cs_stride + state_off, b_s, mask=m_kv)
+    tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
     tl.store(ht + state_off, b_s, mask=m_kv)
