@@ -37,6 +37,8 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if fn.__name__ == "kda_intra_a_fwd_kernel" and L.INTRA_A_FWD_MAXNREG:
         options["maxnreg"] = L.INTRA_A_FWD_MAXNREG
+    if fn.__name__ == "kda_recurrent_fwd_kernel" and L.RECURRENT_MAXNREG:
+        options["maxnreg"] = L.RECURRENT_MAXNREG
     return triton.compile(ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
                                     constexprs=constexprs),
                           target=TARGET, options=options)

@@ -171,8 +171,9 @@ breakdown)
     collect_tests
     ;;
 verify)
-    # One call: every test (four pytest processes), then ours (and $VARIANTS)
-    # against fla on the standard shapes (RESULTS.md).
+    # One call: every test (eight pytest processes and the main job), then ours
+    # (and $VARIANTS) against fla on the standard shapes (RESULTS.md), then decode
+    # (and $DECODE_SETTINGS).
     step "tests"
     L=${TEST_LIMIT:-330}
     BIG_KERNEL_TESTS="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
@@ -195,6 +196,10 @@ verify)
     step "ours and fla, standard shapes"
     timeout "${BENCH_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --variants "${VARS[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
+    read -r -a DEC <<< "${DECODE_SETTINGS:-RECURRENT_MAXNREG=128}"
+    step "decode"
+    timeout "${DECODE_LIMIT:-100}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" \
+        --settings "${DEC[@]}" >> "$LOG" 2>&1
     ;;
 sweep)
     # One short call: the CUDA tests touched last ($SWEEP_TESTS, a -k expression),

@@ -145,6 +145,11 @@ RECURRENT_MAX_T = 16
 # the H200 with these; benchmarks/bench_decode.py --settings times others.
 RECURRENT_BV = 32
 RECURRENT_WARPS = 4
+# A cap on its registers per thread (None: the compiler's 150, i.e. three CTAs of
+# four warps per SM). 128 (28 B of spills, kernel_resources.py) lets four share an
+# SM: more of the state's bytes in flight at B = 64, where it runs at 83% of the
+# copy ceiling and 2% behind fla. Untimed.
+RECURRENT_MAXNREG = None
 # Cache hints on the recurrent kernel's state traffic (recurrent_fwd.py); untimed.
 RECURRENT_STREAM_HINTS = 0
 
@@ -584,6 +589,6 @@ def kda_recurrent_fwd_triton(
     kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
         q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, scale, T, H, HV,
         K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STREAM_HINTS=bool(RECURRENT_STREAM_HINTS),
-        num_warps=RECURRENT_WARPS,
+        num_warps=RECURRENT_WARPS, **({} if RECURRENT_MAXNREG is None else dict(maxnreg=RECURRENT_MAXNREG)),
     )
     return o, ht
