@@ -175,7 +175,7 @@ verify)
     # (and $VARIANTS) against fla on the standard shapes (RESULTS.md), then decode
     # (and $DECODE_SETTINGS).
     step "tests"
-    L=${TEST_LIMIT:-330}
+    L=${TEST_LIMIT:-300}  # with the bench and decode limits: 570 s in all
     BIG_KERNEL_TESTS="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
@@ -194,11 +194,11 @@ verify)
     collect_tests
     read -r -a VARS <<< "${VARIANTS:-}"
     step "ours and fla, standard shapes"
-    timeout "${BENCH_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --variants "${VARS[@]}" \
+    timeout "${BENCH_LIMIT:-190}" python3 benchmarks/bench_chunk_kda.py --variants "${VARS[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     read -r -a DEC <<< "${DECODE_SETTINGS:-RECURRENT_MAXNREG=128}"
     step "decode"
-    timeout "${DECODE_LIMIT:-100}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" \
+    timeout "${DECODE_LIMIT:-80}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" \
         --settings "${DEC[@]}" >> "$LOG" 2>&1
     ;;
 sweep)
