@@ -135,11 +135,12 @@ def kda_state_bwd_kernel(
         tl.debug_barrier()
         tl.store(p_ds, b_ds, mask=m_kv)
 
-        b_kr = tl.load(kr + row_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
+        b_kr = tl.load(kr + row_k, mask=m_tk, other=0.0)
+        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)
         # dU' = A_qk^T dO (from the prep kernel) + Kr dS_C
-        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0) + tl.dot(b_kr, b_ds, input_precision=DOT_PREC)
+        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0) + tl.dot(b_kr.to(tl.float32), b_ds,
+                                                                   input_precision=DOT_PREC)
         tl.store(dup + row_v, b_dup, mask=m_tv)
-        b_ds = b_next - tl.dot(tl.trans(b_w), b_dup, input_precision=DOT_PREC)
+        b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
 
     tl.store(dh0 + state_off, b_ds, mask=m_kv)
