@@ -171,7 +171,7 @@ breakdown)
     collect_tests
     ;;
 verify)
-    # One call: every test (eight pytest processes and the main job), then ours
+    # One call: every test (nine pytest processes and the main job), then ours
     # (and $VARIANTS) against fla on the standard shapes (RESULTS.md), then decode
     # (and $DECODE_SETTINGS).
     step "tests"
@@ -181,8 +181,9 @@ verify)
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
     # the kernel tests on the GPU ran past 350 s in one process: two
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "$BIG_KERNEL_TESTS" > "$TLOGS/t3.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py tests/test_fused_recurrent.py \
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py \
         -k "not ($BIG_KERNEL_TESTS)" > "$TLOGS/t8.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fused_recurrent.py > "$TLOGS/t0.txt" 2>&1 &
     # the main job (README) on the GPU: compiled training, export, the exported program
     timeout "$L" python3 -m kda_op.train_demo > "$TLOGS/t9.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/ --ignore=tests/test_cuda.py --ignore=tests/test_model.py \
