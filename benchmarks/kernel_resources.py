@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=f32, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
-         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, ONE_PASS=bool(L.INTRA_A_ONE_PASS)),
+         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT),
          L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale=scale_type, **ints),

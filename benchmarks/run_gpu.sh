@@ -1,19 +1,14 @@
 #!/usr/bin/env bash
 # On the lent H200 (no registry), in two calls of at most 10 minutes each:
-#   bash benchmarks/run_gpu.sh tests   # every test (four pytest processes side by side,
-#                                      # so Triton compiles in parallel), then our
-#                                      # per-kernel times (bench_kernels.py)
-#   bash benchmarks/run_gpu.sh quick   # one call: a CUDA test subset, B1 against fla,
-#                                      # kept intermediates against recomputing
+#   bash benchmarks/run_gpu.sh tests   # every test (processes side by side, so
+#                                      # Triton compiles in parallel) and the main
+#                                      # job, then our per-kernel times (bench_kernels.py)
 #   bash benchmarks/run_gpu.sh bench   # ours against fla (RESULTS.md), decode
 #                                      # (RESULTS_decode.md); SWEEP=1 adds the sequence
 #                                      # sweep, its plot and a CUDA profile
-#   bash benchmarks/run_gpu.sh auto    # one call: a CUDA test subset, the candidate
-#                                      # settings and their best combinations, those
-#                                      # against fla (fla's tuning carried)
 #   VARIANTS="A=1" bash benchmarks/run_gpu.sh verify
-#                                      # every test, then ours (and variants)
-#                                      # against fla on the standard shapes
+#                                      # as tests, then ours (and variants)
+#                                      # against fla on the standard shapes, decode
 #   VARIANTS="A=1" bash benchmarks/run_gpu.sh breakdown
 #                                      # the AOTI tests alone, beside ours, its
 #                                      # variants and fla with kernels by GPU time
@@ -51,7 +46,7 @@ if [ -f .triton_autotune.tar.gz ]; then
     tar -xzf .triton_autotune.tar.gz -C "$TRITON_CACHE_DIR" && step "unpacked carried autotune results"
 fi
 pack_autotune() {
-    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$TLOGS/triton_autotune.tar.gz" -T -) 2>> "$LOG"
+    (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar -czf "$OUT/triton_autotune.tar.gz" -T -) 2>> "$LOG"
 }
 trap pack_autotune EXIT
 # Wait for the pytest processes started in the background; their tails to the log.
@@ -60,39 +55,36 @@ collect_tests() {
     for f in "$TLOGS"/t?.txt; do step "$f"; tail -n 60 "$f" >> "$LOG"; done
 }
 
+# Every test in processes side by side (Triton compiles in parallel), each within
+# TEST_LIMIT seconds, and the README's main job on the GPU; tails to the log.
+all_tests() {
+    step "tests"
+    local L=${TEST_LIMIT:-300}
+    # the kernel tests on the GPU ran past 350 s in one process: two
+    local BIG="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" \
+        > "$TLOGS/t8.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fused_recurrent.py > "$TLOGS/t0.txt" 2>&1 &
+    # the main job (README) on the GPU: compiled training, export, the exported program
+    timeout "$L" python3 -m kda_op.train_demo > "$TLOGS/t9.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/ --ignore=tests/test_cuda.py --ignore=tests/test_model.py \
+        --ignore=tests/test_triton_kernels.py --ignore=tests/test_fused_recurrent.py > "$TLOGS/t4.txt" 2>&1 &
+    # the two AOTI package tests took ~3.5 min each beside other compiles
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "not aoti" > "$TLOGS/t5.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "aoti_package" > "$TLOGS/t6.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "export_and_aoti" > "$TLOGS/t7.txt" 2>&1 &
+    collect_tests
+}
+
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv >> "$LOG" 2>&1
 case "$PHASE" in
 tests)
-    step "tests"
-    L=${TEST_LIMIT:-330}
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py tests/test_fused_recurrent.py > "$TLOGS/t3.txt" 2>&1 &
-    # -v: a test that runs past the limit shows by name (the CUDA AOTI test did)
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/ --ignore=tests/test_cuda.py \
-        --ignore=tests/test_triton_kernels.py --ignore=tests/test_fused_recurrent.py > "$TLOGS/t4.txt" 2>&1 &
-    collect_tests
+    all_tests
     step "our kernels, B1-T8192-H16 (bench_kernels.py)"
     timeout "${KERNELS_LIMIT:-220}" python3 benchmarks/bench_kernels.py >> "$LOG" 2>&1
-    ;;
-quick)
-    # One short call, most important first: the CUDA tests that cover the
-    # defaults' numerics (four processes: compiling is the bulk), the first
-    # standard shape against fla, then bench_kernels.py on the settings to try
-    # next (each checked against the defaults; RECOMPUTE=1 is the backward that
-    # recomputes instead of taking the kept intermediates).
-    step "CUDA tests (subset)"
-    L=${TEST_LIMIT:-100}
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "strong" > "$TLOGS/t2.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "half or determin or memory" > "$TLOGS/t3.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "opcheck or compile or graph" > "$TLOGS/t4.txt" 2>&1 &
-    collect_tests
-    step "ours and fla, B1-T8192-H16"
-    timeout "${BENCH_LIMIT:-160}" python3 benchmarks/bench_chunk_kda.py --shapes B1-T8192-H16 --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
-    step "bench_kernels.py"
-    timeout "${KERNELS_LIMIT:-120}" python3 benchmarks/bench_kernels.py --settings "" "RECOMPUTE=1" \
-        "TM_ROW_LOADS=0" "SCAN_WARPS=4" "INTRA_WU_FWD_WARPS_BF16=4" >> "$LOG" 2>&1
     ;;
 bench)
     step "ours and fla, standard shapes"
@@ -131,29 +123,6 @@ candidates)
     timeout "${BENCH_LIMIT:-280}" python3 benchmarks/bench_chunk_kda.py --variants "${CAND[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     ;;
-auto)
-    # One call for a lease that must be brief: the CUDA tests most at stake (fp32,
-    # opcheck, the export op and its AOTI package, the model), our kernels under
-    # bench_kernels.py's candidate settings plus the combinations of those that
-    # beat the defaults, then the defaults and those combinations against fla on
-    # the standard shapes (carry .triton_autotune.tar.gz: fla's tuning from
-    # scratch does not fit).
-    # (the rest of tests/test_cuda.py is left to the tests phase: it alone took
-    # over four minutes)
-    step "CUDA tests (subset)"
-    L=${TEST_LIMIT:-180}
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "opcheck or export" > "$TLOGS/t2.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_model.py tests/test_export_op.py > "$TLOGS/t4.txt" 2>&1 &
-    collect_tests
-    step "bench_kernels.py, with combinations"
-    timeout "${KERNELS_LIMIT:-170}" python3 benchmarks/bench_kernels.py --best-out "$OUT/best.txt" >> "$LOG" 2>&1
-    BEST=()
-    [ -f "$OUT/best.txt" ] && mapfile -t BEST < "$OUT/best.txt"
-    step "ours (defaults and the combinations) against fla"
-    timeout "${BENCH_LIMIT:-200}" python3 benchmarks/bench_chunk_kda.py --variants "${BEST[@]}" \
-        --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
-    ;;
 breakdown)
     # One call: the AOTI package tests alone (pytest-timeout, where the image has it,
     # prints every thread's stack if one stalls: they ran past 150 s in three
@@ -171,28 +140,9 @@ breakdown)
     collect_tests
     ;;
 verify)
-    # One call: every test (nine pytest processes and the main job), then ours
-    # (and $VARIANTS) against fla on the standard shapes (RESULTS.md), then decode
-    # (and $DECODE_SETTINGS).
-    step "tests"
-    L=${TEST_LIMIT:-300}  # with the bench and decode limits: 570 s in all
-    BIG_KERNEL_TESTS="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
-    # the kernel tests on the GPU ran past 350 s in one process: two
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "$BIG_KERNEL_TESTS" > "$TLOGS/t3.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py \
-        -k "not ($BIG_KERNEL_TESTS)" > "$TLOGS/t8.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fused_recurrent.py > "$TLOGS/t0.txt" 2>&1 &
-    # the main job (README) on the GPU: compiled training, export, the exported program
-    timeout "$L" python3 -m kda_op.train_demo > "$TLOGS/t9.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/ --ignore=tests/test_cuda.py --ignore=tests/test_model.py \
-        --ignore=tests/test_triton_kernels.py --ignore=tests/test_fused_recurrent.py > "$TLOGS/t4.txt" 2>&1 &
-    # the two AOTI package tests took ~3.5 min each beside other compiles
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "not aoti" > "$TLOGS/t5.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "aoti_package" > "$TLOGS/t6.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "export_and_aoti" > "$TLOGS/t7.txt" 2>&1 &
-    collect_tests
+    # One call: every test and the main job, then ours (and $VARIANTS) against
+    # fla on the standard shapes (RESULTS.md), then decode (and $DECODE_SETTINGS).
+    all_tests  # TEST_LIMIT 300: with the bench and decode limits, 570 s in all
     read -r -a VARS <<< "${VARIANTS:-}"
     step "ours and fla, standard shapes"
     timeout "${BENCH_LIMIT:-190}" python3 benchmarks/bench_chunk_kda.py --variants "${VARS[@]}" \
@@ -237,7 +187,7 @@ explore)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|quick|bench|candidates|auto|breakdown|explore|verify|sweep" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|bench|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"

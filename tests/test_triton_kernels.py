@@ -124,24 +124,20 @@ def test_too_long_a_sequence_is_refused_not_wrapped():
         _check_offsets(2**20, 32, 128, 128)  # 2^32
 
 
-# The one-pass kernel's split factors overflow on the steep chunks (dropped there):
-# the interpreter's numpy says so.
+# intra_a_fwd's split factors overflow on the steep chunks (dropped there): the
+# interpreter's numpy says so.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("one_pass", [0, 1])
 @pytest.mark.parametrize("T_cut", [0, 19])  # 19: the steep chunk is also the partial last one
-def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, one_pass, monkeypatch):
+def test_triton_every_path_of_the_intra_chunk_kernels(T_cut):
     """The intra-chunk kernels split exp(gam_i - gam_j) at a middle row only while
     every factor stays within exp(MAX_SPLIT): over the whole chunk, else over each
     sub-block of 16 rows, else they form each pair exactly. Three chunks, one per
     path: ordinary gates (whole chunk), -3 per token and channel with two -20
     spikes (32 rows: 96 > 60; 8 rows: 24 + 20 <= 60), and -9 (8 rows: 72 > 60).
-    Also with intra_a_fwd in one pass (launch.INTRA_A_ONE_PASS), whose steep
-    chunks' overflowing A's must be dropped, not stored."""
-    from kda_op.triton_kernels import launch
+    intra_a_fwd accumulates the A's of steep chunks too, which may overflow: they
+    must be dropped, not stored."""
     from kda_op.triton_kernels.launch import MAX_SPLIT
-
-    monkeypatch.setattr(launch, "INTRA_A_ONE_PASS", one_pass)
 
     B, T, H, G, K, V = 1, 3 * CHUNK_SIZE - T_cut, 1, 2, 16, 16
     C = CHUNK_SIZE

@@ -49,13 +49,12 @@ def kda_intra_a_fwd_kernel(
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
-    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, ONE_PASS: tl.constexpr = False,
-    INTERPRET: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
 ):
-    # ONE_PASS: accumulate the A's in the first pass already, as if the chunk were
-    # not steep (its middle row is in every K slice), and drop them if it is: no
-    # second reading of gam, Q and K, no second set of exponentials. On a steep
-    # chunk the split factors may overflow to inf; those A's are never stored.
+    # One pass over K slices: the A's are accumulated as if the chunk were not
+    # steep (its middle row is in every slice) and dropped if it is, so gam, Q and
+    # K are read once. On a steep chunk the split factors may overflow to inf;
+    # those A's are never stored (the steep launch writes them).
     # scale in fp32 whatever the caller's scalar type: inductor's launches of the
     # export op pass a Python float as fp64, which would make Q * scale fp64.
     scale = tl.cast(scale, tl.float32)
@@ -81,13 +80,12 @@ def kda_intra_a_fwd_kernel(
     is_last = (o_r == BT - 1)[:, None]
     is_mid = (o_r == BT // 2)[:, None]
 
-    # Pass 1 over K slices (columns are independent here): gam = cumsum(g) in fp32
-    # (padded rows load g = 0, so they repeat the last gam), Qg and Kr, and how far
-    # gam strays from the chunk's middle row.
+    # Over K slices (columns are independent here): gam = cumsum(g) in fp32 (padded
+    # rows load g = 0, so they repeat the last gam), Qg and Kr, how far gam strays
+    # from the chunk's middle row, and the slices' shares of both A's.
     spread = tl.full([], 0.0, tl.float32)
-    if ONE_PASS:
-        b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-        b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_s in range(tl.cdiv(K, BKA)):
         o_k = i_s * BKA + tl.arange(0, BKA)
         m_k = o_k < K
@@ -103,28 +101,11 @@ def kda_intra_a_fwd_kernel(
         tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kr + p_tk, as_stored(b_k * tl.exp(b_glast[None, :] - b_gam), kr, INTERPRET).to(kr.dtype.element_ty),
                  mask=m_tk)
-        if ONE_PASS:
-            b_akk, b_aqk = _split_a_dots(b_q, b_k, b_gam - b_gmid[None, :], b_akk, b_aqk, DOT_PREC)
+        b_akk, b_aqk = _split_a_dots(b_q, b_k, b_gam - b_gmid[None, :], b_akk, b_aqk, DOT_PREC)
 
     is_steep = spread > MAX_SPLIT
     tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
     if not is_steep:
-        if not ONE_PASS:
-            # Pass 2: both A's, accumulated over the K slices.
-            tl.debug_barrier()  # gam of this chunk, stored by every thread above
-            b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-            b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
-            for i_s in range(tl.cdiv(K, BKA)):
-                o_k = i_s * BKA + tl.arange(0, BKA)
-                m_k = o_k < K
-                m_tk = m_t[:, None] & m_k[None, :]
-                b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-                b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
-                b_dmid = b_gam - b_gmid[None, :]
-                b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-                b_q = b_q * scale
-                b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-                b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
         tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
         tl.store(aqk + p_a, tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), mask=m_t[:, None])

@@ -59,16 +59,15 @@ INTRA_BWD_A_WARPS = 4
 TM_ROW_LOADS = 1
 # intra_a_fwd (the A's, Qg, Kr): K slices of BKA (bounded shared memory at any
 # K); a cap on its registers per thread (None: the compiler's choice, 255 at every
-# BKA; 168 lets three CTAs share an SM); one pass over K (the A's accumulated
-# before the steep test, dropped for steep chunks) rather than two. On the H200
-# (bf16, bench_kernels.py, 2026-11-30) one pass at BKA = 16 with the cap of 168:
-# intra_a_fwd 0.204 -> 0.197 ms at B1-T8192-H16, forward 2.416 -> 2.365 ms at
-# B2-T8192-H8-HV32; the A's change by 4e-4 (relative; the K slices' order of
-# summation), o and the grads likewise. BKA = 32 or 16 alone were slower (0.238,
-# 0.252 ms), as was the cap of 128 (0.217).
+# BKA; 168 lets three CTAs share an SM). On the H200 (bf16, bench_kernels.py,
+# 2026-11-30) the kernel in one pass over K at BKA = 16 with the cap of 168 beat
+# the former two passes at BKA = 64: intra_a_fwd 0.204 -> 0.197 ms at
+# B1-T8192-H16, forward 2.416 -> 2.365 ms at B2-T8192-H8-HV32; the A's changed by
+# 4e-4 (relative; the K slices' order of summation). Two passes at BKA = 32 or 16
+# were slower (0.238, 0.252 ms), as was the cap of 128 (0.217). The two-pass form
+# is gone (commit history).
 BKA = 16
 INTRA_A_FWD_MAXNREG = 168
-INTRA_A_ONE_PASS = 1
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
 BKS = 32
@@ -303,7 +302,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
     regs = {} if INTRA_A_FWD_MAXNREG is None else dict(maxnreg=INTRA_A_FWD_MAXNREG)
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
-        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, ONE_PASS=bool(INTRA_A_ONE_PASS),
+        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA,
         INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
     )
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
