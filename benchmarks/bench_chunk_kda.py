@@ -182,7 +182,10 @@ def parse_setting(setting: str) -> dict:
 
 
 def setting_value(default, value: str):
-    """A setting's value from text, typed as its default (int where None, 0/1 for bools)."""
+    """A setting's value from text, typed as its default (int where None, 0/1 for
+    bools); "None" gives None."""
+    if value == "None":
+        return None
     if default is None:
         return int(value)
     if isinstance(default, bool):

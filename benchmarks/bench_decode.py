@@ -27,6 +27,8 @@ import torch.nn.functional as F
 import triton
 import triton.testing
 
+from bench_chunk_kda import setting_value
+
 SHAPES = [(64, 32, 16), (256, 32, 16)]  # B, HV, H
 K = V = 128
 
@@ -135,7 +137,7 @@ def time_settings(ours, settings, ceiling) -> None:
                     n, value = item.split("=")
                     if n not in defaults:
                         raise SystemExit(f"unknown setting {n!r}; launch.py has {sorted(defaults)}")
-                    setattr(launch, n, type(defaults[n])(value))
+                    setattr(launch, n, setting_value(defaults[n], value))
                 got = [t.float() for t in ours(*inputs)]
                 diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, reference))
                 eager = triton.testing.do_bench(lambda: ours(*inputs), warmup=50, rep=300, return_mode="median")

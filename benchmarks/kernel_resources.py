@@ -107,15 +107,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="scale's type in the forward kernels' signatures (inductor passes fp64)")
     parser.add_argument("--max-shared", type=int, default=None,
                         help="exit with status 1 if a kernel needs more shared memory (bytes) than this")
-    parser.add_argument("--bf16-residuals", action="store_true",
-                        help="U and U' in bf16 for bf16 inputs (kda_op._contract.BF16_RESIDUALS)")
-    parser.add_argument("--bf16-chunk-states", action="store_true",
-                        help="the chunk states in bf16 for bf16 inputs (kda_op._contract.BF16_CHUNK_STATES)")
+    parser.add_argument("--bf16-residuals", type=int, choices=[0, 1], default=int(_contract.BF16_RESIDUALS),
+                        help="U and U' in bf16 for bf16 inputs (kda_op._contract.BF16_RESIDUALS; default: its value)")
+    parser.add_argument("--bf16-chunk-states", type=int, choices=[0, 1], default=int(_contract.BF16_CHUNK_STATES),
+                        help="the chunk states in bf16 for bf16 inputs (kda_op._contract.BF16_CHUNK_STATES; "
+                             "default: its value)")
     parser.add_argument("--set", nargs="*", default=[],
                         help="launch.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
     args = parser.parse_args(argv)
-    _contract.BF16_RESIDUALS = args.bf16_residuals
-    _contract.BF16_CHUNK_STATES = args.bf16_chunk_states
+    _contract.BF16_RESIDUALS = bool(args.bf16_residuals)
+    _contract.BF16_CHUNK_STATES = bool(args.bf16_chunk_states)
     for item in args.set:
         name, value = item.split("=")
         if not name.isupper() or not hasattr(L, name):
@@ -143,8 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=f32, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
-         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT),
-         L.INTRA_A_FWD_WARPS, 3),
+         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPLIT_AS=bool(L.INTRA_A_SPLIT)),
+         L.INTRA_A_FWD_WARPS, L.INTRA_A_FWD_STAGES or 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale=scale_type, **ints),
          dict(K=K, BT=BT, BC=BC, BKS=L.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),

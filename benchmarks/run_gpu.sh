@@ -166,14 +166,16 @@ sweep)
     python3 profiling/plot_benchmark.py "$OUT/results_seq_sweep.csv" --out "$OUT/benchmark.png" >> "$LOG" 2>&1
     ;;
 explore)
-    # One call: the CUDA export tests in the background (CPU-bound compiles), our
-    # kernels under $CANDIDATES on both standard shapes (each checked against the
-    # defaults), then decode under $DECODE_SETTINGS.
-    step "CUDA export tests (background)"
+    # One call: CUDA tests in the background (CPU-bound compiles; $EXPLORE_FILES with
+    # -k $EXPLORE_K, default the export tests), our kernels under $CANDIDATES on the
+    # standard shapes ($EXPLORE_SHAPES; each checked against the defaults), then
+    # decode under $DECODE_SETTINGS.
+    step "CUDA tests (background)"
+    read -r -a EFILES <<< "${EXPLORE_FILES:-tests/test_model.py::test_cuda_model_export_and_aoti tests/test_cuda.py}"
     timeout "${TEST_LIMIT:-300}" python3 -m pytest -v -ra --tb=short -p no:cacheprovider --timeout=280 \
-        tests/test_model.py::test_cuda_model_export_and_aoti tests/test_cuda.py -k "export" > "$TLOGS/t1.txt" 2>&1 &
+        "${EFILES[@]}" -k "${EXPLORE_K:-export}" > "$TLOGS/t1.txt" 2>&1 &
     read -r -a CAND <<< "${CANDIDATES:-}"
-    for shape in B1-T8192-H16 B2-T8192-H8-HV32; do
+    for shape in ${EXPLORE_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32}; do
         step "bench_kernels.py $shape"
         timeout "${KERNELS_LIMIT:-170}" python3 benchmarks/bench_kernels.py --shape "$shape" \
             --settings "" "${CAND[@]}" >> "$LOG" 2>&1

@@ -58,12 +58,13 @@ def scan_operand_dtype(input_dtype: torch.dtype) -> torch.dtype:
 
 
 # U and U' (the scan's input and residuals) in bf16 for bf16 inputs instead of
-# fp32: an untimed candidate (off). The output kernel and the forward scan are near
-# the H200's bandwidth at B2-T8192-H8-HV32 (the output moves ~1.2 GB in 0.28 ms), and
-# U, U' are 0.4 GB of that traffic in fp32; fla keeps them in bf16. Both the CUDA
-# kernels and the fake kernel's size of the kept intermediates read it: set it
+# fp32, as fla keeps them. On the H200 (2026-11-30, benchmarks/RESULTS.md) this
+# took the B2-T8192-H8-HV32 forward 2.145 -> 2.065 ms: the output kernel and the
+# forward scan are at the copy ceiling there and U, U' were 0.4 GB of their traffic
+# in fp32. o and the final state kept their error to the fp64 reference. Both the
+# CUDA kernels and the fake kernel's size of the kept intermediates read it: set it
 # before anything is traced.
-BF16_RESIDUALS = False
+BF16_RESIDUALS = True
 
 
 def residual_dtype(input_dtype: torch.dtype) -> torch.dtype:
@@ -73,13 +74,15 @@ def residual_dtype(input_dtype: torch.dtype) -> torch.dtype:
 
 
 # The chunk states (the forward's third output, what the backward starts from) in
-# bf16 for bf16 inputs where the CUDA kernels serve, instead of fp32: an untimed
-# candidate (off). At B2-T8192-H8-HV32 they are 0.54 GB written by the scan and read
-# by the output kernel, which is at the copy ceiling there; fla keeps its h in
-# bf16. The output kernel rounds them to bf16 anyway (OUTPUT_BF16_DOTS); the
-# backward's dots then read them rounded. The final state stays fp32. Read by the
-# CUDA forward and the fake kernels: set it before anything is traced.
-BF16_CHUNK_STATES = False
+# bf16 for bf16 inputs where the CUDA kernels serve, instead of fp32, as fla keeps
+# its h. At B2-T8192-H8-HV32 they are 0.54 GB in fp32, written by the scan and read
+# by the output kernel; on the H200 (2026-11-30) bf16 took that forward 2.145 ->
+# 2.063 ms alone and to 1.909 ms with BF16_RESIDUALS. The output kernel rounded
+# them to bf16 already (OUTPUT_BF16_DOTS); the backward's dots read them rounded
+# (dg's error to the fp64 reference 2e-4 -> 1.7e-3 with both, under the
+# interpreter). The final state stays fp32. Read by the CUDA forward and the fake
+# kernels: set it before anything is traced.
+BF16_CHUNK_STATES = True
 
 
 def chunk_states_dtype(input_dtype: torch.dtype, device_type: str) -> torch.dtype:
@@ -103,7 +106,7 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
 
       gam  [B, NC*C, HV, K] fp32   cumulative log decay in each chunk (padded rows)
       akk, aqk, tm  [B, T, HV, C] fp32   the chunk's A_kk, A_qk and (I + diag(beta) A_kk)^-1
-      u    [B, T, HV, V] fp32      Tm diag(beta) V        (residual_dtype: bf16 under BF16_RESIDUALS)
+      u    [B, T, HV, V] fp32      Tm diag(beta) V        (residual_dtype: bf16 for bf16 inputs)
       up   [B, T, HV, V] fp32      U - W S0, the residuals of the forward's scan (likewise)
       qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
       steep [B, NC, HV] int32      which chunks took the steep path

@@ -28,9 +28,13 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
     _check_shared(dtype, head_dim, scan_bv)
 
 
-def test_kernels_fit_the_h200_shared_memory_with_bf16_intermediates():
-    """The untimed options that keep U, U' and the chunk states in bf16."""
-    _check_shared("bf16", 128, 64, "--bf16-residuals", "--bf16-chunk-states")
+@pytest.mark.parametrize("options", [
+    ("--bf16-residuals", "0", "--bf16-chunk-states", "0"),  # U, U' and the chunk states in fp32
+    ("--set", "INTRA_A_SPLIT=1"),
+])
+def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
+    """bf16 inputs under the options that are not the defaults."""
+    _check_shared("bf16", 128, 64, *options)
 
 
 def _check_shared(dtype, head_dim, scan_bv, *extra):

@@ -200,6 +200,27 @@ def test_triton_forward_scan_options(options, blocks, monkeypatch):
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_intra_a_split_gives_the_same_bits(dtype, monkeypatch):
+    """launch.INTRA_A_SPLIT (intra_a_fwd as two programs per chunk, one A each)
+    forms the same dots on the same operands: every output and kept intermediate
+    bitwise equal to the one-program form, with a steep chunk and a partial one."""
+    from kda_op.triton_kernels import launch
+
+    inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=41)
+    g = inputs["g"].clone()
+    g[:, CHUNK_SIZE: 2 * CHUNK_SIZE] -= 4.0  # a steep second chunk
+    inputs["g"] = g
+    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+    results = []
+    for split in (0, 1):
+        monkeypatch.setattr(launch, "INTRA_A_SPLIT", split)
+        results.append(kda_fwd_triton(*args, None, inputs["initial_state"], keep_intermediates=True))
+    assert results[1][3].numel() > 0  # the intermediates were kept
+    for one, split in zip(*results):
+        assert torch.equal(_bytes(one), _bytes(split))
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks the interpreter's accesses")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,T,H,G,K,V", [
@@ -245,8 +266,13 @@ def test_triton_results_never_show_uninitialised_memory(B, T, H, G, K, V, dtype,
     buffer with its alignment gaps) and every grad is written by the kernels or
     the launcher: filling each fresh allocation with one byte pattern, then
     another, gives bitwise the same results. (opcheck on CUDA caught the kept
-    buffer's unwritten alignment gap differing between eager and traced runs.)"""
+    buffer's unwritten alignment gap differing between eager and traced runs.) A
+    steep first chunk: the steep path left A's entries above the diagonal
+    unwritten until 2026-11-30."""
     inputs = _inputs(B, T, H, G, K, V, True, seed=T + V)
+    g = inputs["g"].clone()
+    g[:, : min(T, CHUNK_SIZE)] -= 4.0
+    inputs["g"] = g
     args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
     h0 = inputs["initial_state"]
     real_empty, real_empty_like = torch.empty, torch.empty_like

@@ -68,6 +68,14 @@ TM_ROW_LOADS = 1
 # is gone (commit history).
 BKA = 16
 INTRA_A_FWD_MAXNREG = 168
+# Its software-pipeline stages (None: Triton's default, 3). Two stages leave the
+# registers of the loop's prefetched slices: at eight warps, 126 registers without
+# a cap (two CTAs per SM); untimed.
+INTRA_A_FWD_STAGES = None
+# intra_a_fwd as two programs per chunk, one A each (A_kk with gam, Kr; A_qk with
+# Qg): one [64, 64] fp32 accumulator per program instead of two, for occupancy.
+# Untimed; the outputs are the same dots on the same operands.
+INTRA_A_SPLIT = 0
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
 BKS = 32
@@ -300,9 +308,11 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
-    regs = {} if INTRA_A_FWD_MAXNREG is None else dict(maxnreg=INTRA_A_FWD_MAXNREG)
-    _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
-        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA,
+    regs = dict(maxnreg=INTRA_A_FWD_MAXNREG) if INTRA_A_FWD_MAXNREG else {}
+    if INTRA_A_FWD_STAGES:
+        regs["num_stages"] = INTRA_A_FWD_STAGES
+    _kernel(kda_intra_a_fwd_kernel, traced)[((2 if INTRA_A_SPLIT else 1) * NC, B * HV)](
+        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, SPLIT_AS=bool(INTRA_A_SPLIT),
         INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
     )
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
