@@ -195,12 +195,12 @@ def setting_value(default, value: str):
 
 def setting_modules() -> dict:
     """Every upper-case setting the benchmarks may change, by name: launch.py's, and
-    kda_op._contract's BF16_RESIDUALS (U and U' in bf16) and BF16_CHUNK_STATES."""
+    kda_op._contract's BF16_RESIDUALS (U and U' in bf16), BF16_CHUNK_STATES and BF16_AQK."""
     from kda_op import _contract
     from kda_op.triton_kernels import launch
 
     owners = {n: launch for n in dir(launch) if n.isupper()}
-    owners["BF16_RESIDUALS"] = owners["BF16_CHUNK_STATES"] = _contract
+    owners["BF16_RESIDUALS"] = owners["BF16_CHUNK_STATES"] = owners["BF16_AQK"] = _contract
     return owners
 
 

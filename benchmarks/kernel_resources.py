@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 from kda_op.triton_kernels import intra_a_fwd, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
 from kda_op import _contract
-from kda_op._contract import chunk_states_dtype, residual_dtype
+from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
 from kda_op.triton_kernels import launch as L
 from kda_op.triton_kernels.launch import BC, BKD, BKD_A, BT, MAX_SPLIT, _sizes
 
@@ -119,9 +119,10 @@ def main(argv: list[str] | None = None) -> int:
     _contract.BF16_CHUNK_STATES = bool(args.bf16_chunk_states)
     for item in args.set:
         name, value = item.split("=")
-        if not name.isupper() or not hasattr(L, name):
+        owner = L if hasattr(L, name) else _contract  # launch.py's, or _contract's (e.g. BF16_AQK)
+        if not name.isupper() or not hasattr(owner, name):
             raise SystemExit(f"unknown setting {name!r}")
-        setattr(L, name, int(value))
+        setattr(owner, name, int(value))
 
     import torch
 
@@ -137,17 +138,18 @@ def main(argv: list[str] | None = None) -> int:
     names = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
     res = names[residual_dtype(dtype)]
     cs = names[chunk_states_dtype(dtype, "cuda")]
+    aq = names[aqk_dtype(dtype)]
     prec, steep_prec = L._dot_precision(dtype), L._steep_dot_precision(dtype)  # as launch.py passes them
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     scale_type = args.scale_type
     common = dict(K=K, V=V, BT=BT)
     runs = [
         (intra_a_fwd.kda_intra_a_fwd_kernel,
-         dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=f32, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
-         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPLIT_AS=bool(L.INTRA_A_SPLIT)),
-         L.INTRA_A_FWD_WARPS, L.INTRA_A_FWD_STAGES or 3),
+         dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
+         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(L.INTRA_A_SPREAD_TILE)),
+         L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
-         dict(q=x, k=x, gam=f32, akk=f32, aqk=f32, steep="*i32", scale=scale_type, **ints),
+         dict(q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
          dict(K=K, BT=BT, BC=BC, BKS=L.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         (intra_wu_fwd.kda_intra_wu_fwd_kernel,
          dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
@@ -160,11 +162,11 @@ def main(argv: list[str] | None = None) -> int:
               BF16_DOTS=L.SCAN_BF16_DOTS and args.dtype == "bf16"),
          L.SCAN_FWD_WARPS or L.SCAN_WARPS, s["SCAN_FWD_STAGES"]),
         (output_fwd.kda_output_fwd_kernel,
-         dict(qg=op, aqk=f32, up=res, chunk_states=cs, o=x, **ints),
+         dict(qg=op, aqk=aq, up=res, chunk_states=cs, o=x, **ints),
          dict(common, BK=s["BK"], BV=L.BV_OUTPUT or s["BV"], DOT_PREC=prec,
               BF16_DOTS=L.OUTPUT_BF16_DOTS and args.dtype == "bf16"), L.OUTPUT_WARPS, 3),
         (state_bwd.kda_state_bwd_prep_kernel,
-         dict(qg=op, w=op, u=res, aqk=f32, chunk_states=cs, do=x, up=res, dup=f32, dchunk_states=f32, **ints),
+         dict(qg=op, w=op, u=res, aqk=aq, chunk_states=cs, do=x, up=res, dup=f32, dchunk_states=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV"], HAS_UP=True, DOT_PREC=prec), 8, 3),
         (state_bwd.kda_state_bwd_kernel,
          dict(kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=f32, dh0=f32, **ints),

@@ -93,6 +93,21 @@ def chunk_states_dtype(input_dtype: torch.dtype, device_type: str) -> torch.dtyp
     return state_dtype(input_dtype)
 
 
+# A_qk (the chunk's lower-triangular Q-K block, forward output kernel and backward
+# scan read it) in bf16 for bf16 inputs instead of fp32: an untimed candidate
+# (off). The output kernel rounds it to bf16 for its dot already (o unchanged);
+# the backward's dots then read it rounded. 134 MB less written and read at
+# B2-T8192-H8-HV32. Read by the CUDA kernels and the fake kernel's size of the kept
+# intermediates: set it before anything is traced.
+BF16_AQK = False
+
+
+def aqk_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """dtype of A_qk in the CUDA forward: fp32, or bf16 for bf16 inputs under
+    ``BF16_AQK``."""
+    return torch.bfloat16 if BF16_AQK and input_dtype == torch.bfloat16 else torch.float32
+
+
 def _round_up(nbytes, multiple: int = 256):
     return (nbytes + multiple - 1) // multiple * multiple
 
@@ -106,6 +121,7 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
 
       gam  [B, NC*C, HV, K] fp32   cumulative log decay in each chunk (padded rows)
       akk, aqk, tm  [B, T, HV, C] fp32   the chunk's A_kk, A_qk and (I + diag(beta) A_kk)^-1
+                                   (aqk_dtype: bf16 for bf16 inputs under BF16_AQK)
       u    [B, T, HV, V] fp32      Tm diag(beta) V        (residual_dtype: bf16 for bf16 inputs)
       up   [B, T, HV, V] fp32      U - W S0, the residuals of the forward's scan (likewise)
       qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
@@ -119,7 +135,7 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
     pieces = [
         ("gam", (B, NC * C, HV, K), torch.float32),
         ("akk", (B, T, HV, C), torch.float32),
-        ("aqk", (B, T, HV, C), torch.float32),
+        ("aqk", (B, T, HV, C), aqk_dtype(input_dtype)),
         ("tm", (B, T, HV, C), torch.float32),
         ("u", (B, T, HV, V), residual_dtype(input_dtype)),
         ("up", (B, T, HV, V), residual_dtype(input_dtype)),

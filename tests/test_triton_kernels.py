@@ -201,10 +201,10 @@ def test_triton_forward_scan_options(options, blocks, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_intra_a_split_gives_the_same_bits(dtype, monkeypatch):
-    """launch.INTRA_A_SPLIT (intra_a_fwd as two programs per chunk, one A each)
-    forms the same dots on the same operands: every output and kept intermediate
-    bitwise equal to the one-program form, with a steep chunk and a partial one."""
+def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
+    """launch.INTRA_A_SPREAD_TILE (intra_a_fwd's steep test reduced once after its
+    K loop) decides the same chunks steep: every output and kept intermediate
+    bitwise equal, with a steep chunk and a partial one."""
     from kda_op.triton_kernels import launch
 
     inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=41)
@@ -213,12 +213,12 @@ def test_triton_intra_a_split_gives_the_same_bits(dtype, monkeypatch):
     inputs["g"] = g
     args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
     results = []
-    for split in (0, 1):
-        monkeypatch.setattr(launch, "INTRA_A_SPLIT", split)
+    for tile in (0, 1):
+        monkeypatch.setattr(launch, "INTRA_A_SPREAD_TILE", tile)
         results.append(kda_fwd_triton(*args, None, inputs["initial_state"], keep_intermediates=True))
     assert results[1][3].numel() > 0  # the intermediates were kept
-    for one, split in zip(*results):
-        assert torch.equal(_bytes(one), _bytes(split))
+    for per_slice, tiled in zip(*results):
+        assert torch.equal(_bytes(per_slice), _bytes(tiled))
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks the interpreter's accesses")
@@ -323,13 +323,16 @@ BF16_DOT_SETTINGS = ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "WU_BF16_DOTS")
 @pytest.mark.parametrize("bf16_dots", [(), ("SCAN_BF16_DOTS",), ("OUTPUT_BF16_DOTS",),
                                        ("WU_BF16_DOTS",), BF16_DOT_SETTINGS,
                                        ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_RESIDUALS"),
-                                       ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_CHUNK_STATES")])
+                                       ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_CHUNK_STATES"),
+                                       ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_AQK"),
+                                       ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_RESIDUALS", "BF16_CHUNK_STATES",
+                                        "BF16_AQK")])
 def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
     """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'
     operand dtype); o and the grads come back in bf16. With TF32 dots, with bf16
     operands in each group of dots that has the option (launch.*_BF16_DOTS), and
     with U and U' in bf16 (_contract.BF16_RESIDUALS), with the chunk states in bf16
-    (_contract.BF16_CHUNK_STATES)."""
+    (_contract.BF16_CHUNK_STATES), with A_qk in bf16 (_contract.BF16_AQK)."""
     from kda_op.triton_kernels import launch
 
     from kda_op import _contract
@@ -340,6 +343,7 @@ def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
     # chunk states in bf16
     monkeypatch.setattr(_contract, "BF16_RESIDUALS", "BF16_RESIDUALS" in bf16_dots)
     monkeypatch.setattr(_contract, "BF16_CHUNK_STATES", "BF16_CHUNK_STATES" in bf16_dots)
+    monkeypatch.setattr(_contract, "BF16_AQK", "BF16_AQK" in bf16_dots)  # A_qk in bf16
     names = ("q", "k", "v", "g", "beta")
     inputs = make_inputs(B=1, T=CHUNK_SIZE + 86, H=1, G=2, K=32, V=32, dtype=torch.float64, seed=3)
     x64 = [inputs[n] for n in names]

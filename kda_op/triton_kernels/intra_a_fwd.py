@@ -49,13 +49,9 @@ def kda_intra_a_fwd_kernel(
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
-    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPLIT_AS: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = False,
     INTERPRET: tl.constexpr = False,
 ):
-    # SPLIT_AS: two programs per chunk (program_id(0) = 2 * chunk + part), each
-    # with one [BT, BT] accumulator instead of two, so that more programs fit an
-    # SM: part 0 writes A_kk, gam, Kr and steep, part 1 A_qk and Qg. Both read g
-    # and K (neighbours in the grid, so the second read mostly hits L2).
     # One pass over K slices: the A's are accumulated as if the chunk were not
     # steep (its middle row is in every slice) and dropped if it is, so gam, Q and
     # K are read once. On a steep chunk the split factors may overflow to inf;
@@ -63,12 +59,7 @@ def kda_intra_a_fwd_kernel(
     # scale in fp32 whatever the caller's scalar type: inductor's launches of the
     # export op pass a Python float as fp64, which would make Q * scale fp64.
     scale = tl.cast(scale, tl.float32)
-    if SPLIT_AS:
-        i_c = tl.program_id(0) // 2
-        is_qk = tl.program_id(0) % 2 == 1
-        is_kk = tl.program_id(0) % 2 == 0
-    else:
-        i_c = tl.program_id(0)
+    i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
     bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
@@ -94,51 +85,40 @@ def kda_intra_a_fwd_kernel(
     # rows load g = 0, so they repeat the last gam), Qg and Kr, how far gam strays
     # from the chunk's middle row, and the slices' shares of both A's.
     spread = tl.full([], 0.0, tl.float32)
-    b_akk = tl.zeros([BT, BT], dtype=tl.float32)  # SPLIT_AS: this part's A (A_kk or A_qk)
-    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)  # SPLIT_AS: unused
+    b_spread = tl.zeros([BT, BKA], dtype=tl.float32)
+    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_s in range(tl.cdiv(K, BKA)):
         o_k = i_s * BKA + tl.arange(0, BKA)
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
         b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+        tl.store(gam + p_tk, b_gam, mask=m_k[None, :])
         b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
         b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
-        spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_gam - b_gmid[None, :]), 1), 0))
-        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_kr = as_stored(b_k * tl.exp(b_glast[None, :] - b_gam), kr, INTERPRET).to(kr.dtype.element_ty)
-        if SPLIT_AS:
-            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk & is_qk,
-                          other=0.0).to(tl.float32) * scale
-            tl.store(gam + p_tk, b_gam, mask=m_k[None, :] & is_kk)
-            tl.store(kr + p_tk, b_kr, mask=m_tk & is_kk)
-            tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty),
-                     mask=m_tk & is_qk)
-            b_dmid = b_gam - b_gmid[None, :]
-            b_kn = tl.trans(b_k * tl.exp(-b_dmid))
-            b_akk += tl.dot(tl.where(is_qk, b_q, b_k) * tl.exp(b_dmid), b_kn, input_precision=DOT_PREC)
+        b_dmid = b_gam - b_gmid[None, :]
+        if SPREAD_TILE:
+            # elementwise here, one cross-warp reduction after the loop
+            b_spread = tl.maximum(b_spread, tl.abs(b_dmid))
         else:
-            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
-            tl.store(gam + p_tk, b_gam, mask=m_k[None, :])
-            tl.store(kr + p_tk, b_kr, mask=m_tk)
-            tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
-            b_akk, b_aqk = _split_a_dots(b_q, b_k, b_gam - b_gmid[None, :], b_akk, b_aqk, DOT_PREC)
+            spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_dmid), 1), 0))
+        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
+        tl.store(kr + p_tk, as_stored(b_k * tl.exp(b_glast[None, :] - b_gam), kr, INTERPRET).to(kr.dtype.element_ty),
+                 mask=m_tk)
+        b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
+    if SPREAD_TILE:
+        spread = tl.max(tl.max(b_spread, 1), 0)
 
     is_steep = spread > MAX_SPLIT
-    p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
-    lower = o_r[:, None] > o_r[None, :]
-    if SPLIT_AS:
-        tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32), mask=is_kk)
-        if not is_steep:
-            # A_qk keeps the diagonal, A_kk not
-            b_a = tl.where(lower | (is_qk & (o_r[:, None] == o_r[None, :])), b_akk, 0.0)
-            tl.store(akk + p_a, b_a, mask=m_t[:, None] & is_kk)
-            tl.store(aqk + p_a, b_a, mask=m_t[:, None] & is_qk)
-    else:
-        tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
-        if not is_steep:
-            tl.store(akk + p_a, tl.where(lower, b_akk, 0.0), mask=m_t[:, None])
-            tl.store(aqk + p_a, tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), mask=m_t[:, None])
+    tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
+    if not is_steep:
+        p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
+        tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
+        tl.store(aqk + p_a, as_stored(tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), aqk,
+                                      INTERPRET).to(aqk.dtype.element_ty), mask=m_t[:, None])
 
 @triton.jit
 def kda_intra_a_fwd_steep_kernel(
@@ -146,7 +126,7 @@ def kda_intra_a_fwd_steep_kernel(
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
-    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
+    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
 ):
     """The A's of the chunks kda_intra_a_fwd_kernel marked steep; the others return
     at once. Row block by row block (BC rows), over K slices (BKS wide): the
@@ -219,7 +199,10 @@ def kda_intra_a_fwd_steep_kernel(
             # whose every byte is written)
             outside = (before | (o_r >= (i_i + 1) * BC))[None, :]
             tl.store(akk + row_off + o_r[None, :], tl.where(before[None, :], b_akk, 0.0), mask=m_i[:, None] & outside)
-            tl.store(aqk + row_off + o_r[None, :], tl.where(before[None, :], b_aqk, 0.0), mask=m_i[:, None] & outside)
+            tl.store(aqk + row_off + o_r[None, :],
+                     as_stored(tl.where(before[None, :], b_aqk, 0.0), aqk, INTERPRET).to(aqk.dtype.element_ty),
+                     mask=m_i[:, None] & outside)
             col = i_i * BC + o_c[None, :]
             tl.store(akk + row_off + col, tl.where(o_c[:, None] > o_c[None, :], b_akk_d, 0.0), mask=m_i[:, None])
-            tl.store(aqk + row_off + col, tl.where(o_c[:, None] >= o_c[None, :], b_aqk_d, 0.0), mask=m_i[:, None])
+            tl.store(aqk + row_off + col, as_stored(tl.where(o_c[:, None] >= o_c[None, :], b_aqk_d, 0.0), aqk,
+                                                    INTERPRET).to(aqk.dtype.element_ty), mask=m_i[:, None])

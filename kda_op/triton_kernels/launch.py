@@ -18,7 +18,7 @@ import triton
 from torch import Tensor
 from torch.profiler import record_function
 
-from .._contract import CHUNK_SIZE, chunk_states_dtype, intermediates_layout, residual_dtype, scan_operand_dtype
+from .._contract import CHUNK_SIZE, aqk_dtype, chunk_states_dtype, intermediates_layout, residual_dtype, scan_operand_dtype
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
@@ -68,14 +68,12 @@ TM_ROW_LOADS = 1
 # is gone (commit history).
 BKA = 16
 INTRA_A_FWD_MAXNREG = 168
-# Its software-pipeline stages (None: Triton's default, 3). Two stages leave the
-# registers of the loop's prefetched slices: at eight warps, 126 registers without
-# a cap (two CTAs per SM); untimed.
-INTRA_A_FWD_STAGES = None
-# intra_a_fwd as two programs per chunk, one A each (A_kk with gam, Kr; A_qk with
-# Qg): one [64, 64] fp32 accumulator per program instead of two, for occupancy.
-# Untimed; the outputs are the same dots on the same operands.
-INTRA_A_SPLIT = 0
+# intra_a_fwd's test for a steep chunk: the spread of gam around the middle row
+# kept elementwise over the K slices and reduced across warps once (1), instead
+# of once per slice (0); the same result. Untimed. (Tried on the H200, 2026-11-30,
+# and dropped: two programs per chunk with one A each, intra_a_fwd 0.714 -> 1.27
+# ms at B2; two pipeline stages, 0.714 -> 0.776; eight warps, 0.232 vs 0.195 at B1.)
+INTRA_A_SPREAD_TILE = 0
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
 BKS = 32
@@ -294,7 +292,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         out = dict(
             gam=torch.empty(B, NC * BT, HV, K, **f32),
             akk=torch.empty(B, T, HV, BT, **f32),
-            aqk=torch.empty(B, T, HV, BT, **f32),
+            aqk=torch.empty(B, T, HV, BT, device=q.device, dtype=aqk_dtype(q.dtype)),
             # Traced: flat with one spare entry, so that no dimension of it is NC,
             # whose contiguity check would guard NC != 1 (i.e. T > 64).
             steep=(torch.empty(B * NC * HV + 1, device=q.device, dtype=torch.int32) if traced
@@ -309,15 +307,13 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
     regs = dict(maxnreg=INTRA_A_FWD_MAXNREG) if INTRA_A_FWD_MAXNREG else {}
-    if INTRA_A_FWD_STAGES:
-        regs["num_stages"] = INTRA_A_FWD_STAGES
-    _kernel(kda_intra_a_fwd_kernel, traced)[((2 if INTRA_A_SPLIT else 1) * NC, B * HV)](
-        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, SPLIT_AS=bool(INTRA_A_SPLIT),
+    _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
+        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, SPREAD_TILE=bool(INTRA_A_SPREAD_TILE),
         INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
     )
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
         q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
-        BC=BC, BKS=BKS, num_warps=4,
+        BC=BC, BKS=BKS, INTERPRET=_INTERPRET, num_warps=4,
     )
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
         k, v, beta, gam, akk, w, u, tm, T, NC,

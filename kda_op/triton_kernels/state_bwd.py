@@ -74,7 +74,7 @@ def kda_state_bwd_prep_kernel(
 
     b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
     b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
-                  mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
+                  mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0).to(tl.float32)
     tl.store(dup + row_v, tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PREC), mask=m_tv)
     b_qg = tl.load(qg + row_k, mask=m_tk, other=0.0).to(tl.float32)
     tl.store(dchunk_states + state_off, tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC), mask=m_kv)
