@@ -93,13 +93,15 @@ def chunk_states_dtype(input_dtype: torch.dtype, device_type: str) -> torch.dtyp
     return state_dtype(input_dtype)
 
 
-# A_qk (the chunk's lower-triangular Q-K block, forward output kernel and backward
-# scan read it) in bf16 for bf16 inputs instead of fp32: an untimed candidate
-# (off). The output kernel rounds it to bf16 for its dot already (o unchanged);
-# the backward's dots then read it rounded. 134 MB less written and read at
-# B2-T8192-H8-HV32. Read by the CUDA kernels and the fake kernel's size of the kept
-# intermediates: set it before anything is traced.
-BF16_AQK = False
+# A_qk (the chunk's lower-triangular Q-K block, read by the forward's output
+# kernel and the backward's scan) in bf16 for bf16 inputs instead of fp32. The
+# output kernel rounded it to bf16 for its dot already (o unchanged); the
+# backward's dots read it rounded. 134 MB less written and read at
+# B2-T8192-H8-HV32: on the H200 (2026-11-30, same process) forward 1.898 ->
+# 1.883 ms, forward+backward 7.988 -> 7.917 (B1: 0.636 -> 0.630, 2.524 -> 2.508).
+# Read by the CUDA kernels and the fake kernel's size of the kept intermediates:
+# set it before anything is traced.
+BF16_AQK = True
 
 
 def aqk_dtype(input_dtype: torch.dtype) -> torch.dtype:

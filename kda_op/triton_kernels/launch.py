@@ -70,10 +70,12 @@ BKA = 16
 INTRA_A_FWD_MAXNREG = 168
 # intra_a_fwd's test for a steep chunk: the spread of gam around the middle row
 # kept elementwise over the K slices and reduced across warps once (1), instead
-# of once per slice (0); the same result. Untimed. (Tried on the H200, 2026-11-30,
-# and dropped: two programs per chunk with one A each, intra_a_fwd 0.714 -> 1.27
-# ms at B2; two pipeline stages, 0.714 -> 0.776; eight warps, 0.232 vs 0.195 at B1.)
-INTRA_A_SPREAD_TILE = 0
+# of once per slice (0); the same result (bitwise, tests). On the H200
+# (2026-11-30, same process): forward 1.898 -> 1.870 ms at B2-T8192-H8-HV32, 0.636
+# -> 0.627 at B1-T8192-H16. Tried the same day and dropped: two programs per chunk
+# with one A each (intra_a_fwd 0.714 -> 1.27 ms at B2), two pipeline stages
+# (0.714 -> 0.776), eight warps (0.195 -> 0.232 at B1).
+INTRA_A_SPREAD_TILE = 1
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
 BKS = 32
