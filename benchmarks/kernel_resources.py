@@ -189,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
          dict(K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(q=x, k=x, v=x, g=f32, beta=x, h0=f32, o=x, ht=f32, scale="fp32", T="i32", H="i32", HV="i32"),
-         dict(K=K, V=V, BK=s["BK"], BV=L.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(L.RECURRENT_STREAM_HINTS)),
+         dict(K=K, V=V, BK=s["BK"], BV=L.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(L.RECURRENT_STREAM_HINTS),
+              INPUT_HINTS=bool(L.RECURRENT_INPUT_HINTS)),
          L.RECURRENT_WARPS, 3),
     ]
     print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))

@@ -22,11 +22,13 @@ def kda_recurrent_fwd_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, STREAM_HINTS: tl.constexpr = False,
+    HAS_H0: tl.constexpr, STREAM_HINTS: tl.constexpr = False, INPUT_HINTS: tl.constexpr = False,
 ):
     # STREAM_HINTS: the state is read once and written once, never reused by this
     # launch: load it evict-first and store it streaming (.cs), keeping L2 for q,
-    # k, g, v of the other programs.
+    # k, g, v of the other programs. INPUT_HINTS: q, k and g, which the programs of
+    # the other V blocks (and of the other value heads of a group) read again,
+    # evict-last; v and o, read or written once, evict-first.
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -59,17 +61,26 @@ def kda_recurrent_fwd_kernel(
     for t in range(T):
         row_qk = t * (H * K) + o_k
         row_hv = t * HV
-        b_q = tl.load(q + row_qk, mask=m_k, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + row_qk, mask=m_k, other=0.0).to(tl.float32)
-        b_g = tl.load(g + row_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        if INPUT_HINTS:
+            b_q = tl.load(q + row_qk, mask=m_k, other=0.0, eviction_policy="evict_last").to(tl.float32) * scale
+            b_k = tl.load(k + row_qk, mask=m_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            b_g = tl.load(g + row_hv * K + o_k, mask=m_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
+            b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            b_q = tl.load(q + row_qk, mask=m_k, other=0.0).to(tl.float32) * scale
+            b_k = tl.load(k + row_qk, mask=m_k, other=0.0).to(tl.float32)
+            b_g = tl.load(g + row_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+            b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + row_hv).to(tl.float32)
-        b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
 
         b_s = b_s * tl.exp(b_g)[:, None]
         b_r = b_v - tl.sum(b_k[:, None] * b_s, 0)
         b_s += (b_beta * b_k)[:, None] * b_r[None, :]
         b_o = tl.sum(b_q[:, None] * b_s, 0)
-        tl.store(o + row_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
+        if INPUT_HINTS:
+            tl.store(o + row_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v, eviction_policy="evict_first")
+        else:
+            tl.store(o + row_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v)
 
     if STREAM_HINTS:
         tl.store(ht + state_off, b_s, mask=m_kv, cache_modifier=".cs")
