@@ -146,16 +146,20 @@ def main(argv: list[str] | None = None) -> int:
     runs = [
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
-         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(L.INTRA_A_SPREAD_TILE)),
+         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(L.INTRA_A_SPREAD_TILE),
+              GAM_LAST_ONLY=bool(L.INTRA_GAM_FROM_G)),
          L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
          dict(K=K, BT=BT, BC=BC, BKS=L.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
-        (intra_wu_fwd.kda_intra_wu_fwd_kernel,
-         dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
-         dict(common, BC=BC, BK=s["BK"], BV=s["BV"], STORE_TM=True, DOT_PREC=prec, TM_ROW_LOADS=L.TM_ROW_LOADS,
-              BF16_DOTS=L.WU_BF16_DOTS and args.dtype == "bf16"),
-         L.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else L.INTRA_WU_FWD_WARPS, 3),
+        # as the forward that keeps its intermediates (and the backward's recompute)
+        # launches it, then as one that keeps nothing (gam from g under INTRA_GAM_FROM_G)
+        *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
+           dict(k=x, v=x, g=f32, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
+           dict(common, BC=BC, BK=s["BK"], BV=s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=L.TM_ROW_LOADS,
+                BF16_DOTS=L.WU_BF16_DOTS and args.dtype == "bf16", GAM_FROM_G=bool(L.INTRA_GAM_FROM_G) and not keep),
+           L.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else L.INTRA_WU_FWD_WARPS, 3)
+          for keep in (True, False)],
         (state_fwd.kda_state_fwd_kernel,
          dict(kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=cs, ht=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV_SCAN_FWD"], HAS_H0=True, DOT_PREC=prec,

@@ -221,6 +221,38 @@ def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
         assert torch.equal(_bytes(per_slice), _bytes(tiled))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gam_from_g_changes_no_forward_result(dtype, monkeypatch):
+    """launch.INTRA_GAM_FROM_G (a forward that keeps nothing stores only gam's last
+    rows and intra_wu_fwd forms gam again from g): o, the final state and the
+    chunk states as without it, with a steep chunk (whose whole gam the steep
+    launch reads) and a partial last chunk; bitwise under the interpreter, whose
+    cumsum adds in order, so both forms of gam are the same bits."""
+    from kda_op.triton_kernels import launch
+
+    inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=43)
+    g = inputs["g"].clone()
+    g[:, CHUNK_SIZE: 2 * CHUNK_SIZE] -= 4.0  # a steep second chunk
+    inputs["g"] = g
+    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+    results = []
+    real_empty = torch.empty
+    for from_g in (0, 1):
+        monkeypatch.setattr(launch, "INTRA_GAM_FROM_G", from_g)
+        # fresh allocations filled with NaN bytes: no gam row left over from the
+        # first run can stand in for one the second did not write
+        monkeypatch.setattr(torch, "empty", lambda *a, **kw: _filled(real_empty(*a, **kw), 0xFF))
+        o, ht, cs, kept = kda_fwd_triton(*args, None, inputs["initial_state"], keep_intermediates=False)
+        monkeypatch.setattr(torch, "empty", real_empty)
+        assert kept.numel() == 0
+        results.append((o, ht, cs))
+    for name, stored, formed in zip(("o", "final_state", "chunk_states"), *results):
+        if DEVICE == "cpu":
+            assert torch.equal(stored, formed), name
+        else:  # the GPU's scans may associate differently: rounding only
+            assert ((stored.float() - formed.float()).norm() / stored.float().norm()).item() < 1e-5, name
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks the interpreter's accesses")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,T,H,G,K,V", [

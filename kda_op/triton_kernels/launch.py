@@ -76,6 +76,11 @@ INTRA_A_FWD_MAXNREG = 168
 # with one A each (intra_a_fwd 0.714 -> 1.27 ms at B2), two pipeline stages
 # (0.714 -> 0.776), eight warps (0.195 -> 0.232 at B1).
 INTRA_A_SPREAD_TILE = 1
+# A forward that keeps nothing for a backward (no grads, or recompute_in_backward):
+# intra_a_fwd stores only each chunk's last row of gam (the forward scan's decay)
+# and intra_wu_fwd forms gam again from g (1), instead of the whole gam written
+# and read back (0): 268 MB less written at B2-T8192-H8-HV32. Untimed.
+INTRA_GAM_FROM_G = 0
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
 BKS = 32
@@ -314,19 +319,21 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
     regs = dict(maxnreg=INTRA_A_FWD_MAXNREG) if INTRA_A_FWD_MAXNREG else {}
+    # Without Tm stored nothing is kept for a backward, which is what would read gam.
+    gam_from_g = bool(INTRA_GAM_FROM_G) and not store_tm
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, SPREAD_TILE=bool(INTRA_A_SPREAD_TILE),
-        INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
+        GAM_LAST_ONLY=gam_from_g, INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
     )
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
         q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
         BC=BC, BKS=BKS, INTERPRET=_INTERPRET, num_warps=4,
     )
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-        k, v, beta, gam, akk, w, u, tm, T, NC,
+        k, v, g, beta, gam, akk, w, u, tm, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=s["BV"],
         STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=TM_ROW_LOADS,
-        BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET,
+        BF16_DOTS=s["WU_BF16_DOTS"], GAM_FROM_G=gam_from_g, INTERPRET=_INTERPRET,
         num_warps=INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else INTRA_WU_FWD_WARPS,
     )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
