@@ -9,7 +9,7 @@ under replay (the fp32 state read once and written once) against the
 device-to-device copy ceiling measured in the same process. Needs CUDA and fla.
 
     python benchmarks/bench_decode.py [--impl ours] [--out benchmarks/RESULTS_decode.md]
-        [--settings "RECURRENT_BV=16" "RECURRENT_WARPS=2"]
+        [--settings "RECURRENT_BV=16" "RECURRENT_WARPS=2"] [--inplace-probe]
 
 --settings: after the table, ours alone under other values of launch.py's
 RECURRENT_* settings (comma-separated NAME=VALUE, one string per run), each
@@ -62,6 +62,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--settings", nargs="*", default=[],
                         help="launch.py RECURRENT_* settings to time ours under after the table")
+    parser.add_argument("--inplace-probe", action="store_true",
+                        help="also time our kernel writing the final state over the initial one")
     args = parser.parse_args()
 
     from kda_op import fused_recurrent_kda as ours
@@ -116,7 +118,36 @@ def main() -> int:
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_decode.py --impl {args.impl} --out {args.out}`\n\n{table}\n")
     if args.settings:
         time_settings(impls["ours"], args.settings, ceiling)
+    if args.inplace_probe:
+        time_inplace_probe(ceiling)
     return 0
+
+
+def time_inplace_probe(ceiling) -> None:
+    """Our recurrent kernel writing the final state over the initial one, as fla's
+    does by default (its inplace_final_state): whether that alone closes the gap.
+    The kernel's host function is called directly (the ops return a new state)."""
+    from kda_op.triton_kernels import kda_recurrent_fwd_triton
+
+    for B, HV, H in SHAPES:
+        q, k, v, g, beta, h0 = make_inputs(B, HV, H)
+        state_bytes = 2 * B * HV * K * V * 4
+        _, want = kda_recurrent_fwd_triton(q, k, v, g, beta, None, h0.clone())
+        state = h0.clone()
+        _, got = kda_recurrent_fwd_triton(q, k, v, g, beta, None, state, final_state_out=state)
+        diff = ((got - want).norm() / want.norm()).item()
+
+        def step():  # the state decays step after step: the same bytes each time
+            kda_recurrent_fwd_triton(q, k, v, g, beta, None, state, final_state_out=state)
+
+        eager = triton.testing.do_bench(step, warmup=50, rep=300, return_mode="median")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        replay = triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+        print(f"B={B} HV={HV} [in-place final state]: eager {eager * 1e3:.1f} us, CUDA graph {replay * 1e3:.1f} us, "
+              f"{state_bytes / (replay * 1e-3) / ceiling:.0%} of the copy ceiling, "
+              f"rel diff to a fresh final state {diff:.1e}", flush=True)
 
 
 def time_settings(ours, settings, ceiling) -> None:

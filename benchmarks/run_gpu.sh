@@ -144,7 +144,8 @@ breakdown)
     ;;
 verify)
     # One call: every test and the main job, then ours (and $VARIANTS) against
-    # fla on the standard shapes (RESULTS.md), then decode (and $DECODE_SETTINGS).
+    # fla on the standard shapes (RESULTS.md), then decode (and $DECODE_SETTINGS,
+    # and our kernel writing the final state over the initial one).
     all_tests  # TEST_LIMIT 300: with the bench and decode limits, 570 s in all
     read -r -a VARS <<< "${VARIANTS:-}"
     step "ours and fla, standard shapes"
@@ -152,8 +153,8 @@ verify)
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     read -r -a DEC <<< "${DECODE_SETTINGS:-RECURRENT_MAXNREG=128}"
     step "decode"
-    timeout "${DECODE_LIMIT:-80}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" \
-        --settings "${DEC[@]}" >> "$LOG" 2>&1
+    timeout "${DECODE_LIMIT:-90}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" \
+        --settings "${DEC[@]}" --inplace-probe >> "$LOG" 2>&1
     ;;
 sweep)
     # One short call: the CUDA tests touched last ($SWEEP_TESTS, a -k expression),

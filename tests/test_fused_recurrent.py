@@ -133,6 +133,28 @@ def test_triton_recurrent_cache_hints_change_no_result(setting, monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="no GPU and TRITON_INTERPRET is not set")
+def test_triton_recurrent_final_state_over_the_initial_one():
+    """The recurrent kernel's host function writing the final state into the
+    initial state's own buffer (final_state_out, what the decode benchmark's
+    in-place probe times) gives the o and final state of a fresh buffer, and
+    refuses a buffer of the wrong shape."""
+    pytest.importorskip("triton")
+    from kda_op.triton_kernels import kda_recurrent_fwd_triton
+
+    inputs = make_inputs(B=2, T=3, H=2, G=2, K=24, V=40, dtype=torch.float32, seed=19)
+    args = [inputs[n].to(DEVICE) for n in NAMES]
+    h0 = inputs["initial_state"].to(DEVICE)
+    o_want, ht_want = kda_recurrent_fwd_triton(*args, None, h0.clone())
+    state = h0.clone()
+    o, ht = kda_recurrent_fwd_triton(*args, None, state, final_state_out=state)
+    assert ht.data_ptr() == state.data_ptr()
+    assert torch.equal(o, o_want) and torch.equal(state, ht_want)
+    with pytest.raises(ValueError, match="final_state_out"):
+        kda_recurrent_fwd_triton(*args, None, h0, final_state_out=h0[:, :1])
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_decode_graph_capture_and_replay(dtype):

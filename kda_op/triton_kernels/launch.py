@@ -588,9 +588,14 @@ def kda_bwd_triton(
 def kda_recurrent_fwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
+    final_state_out: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Token-by-token forward for decoding: ``(o, final_state)`` as
-    ``fused_recurrent_kda_fwd``."""
+    ``fused_recurrent_kda_fwd``. ``final_state_out`` (internal, not reachable from
+    the ops): a contiguous fp32 ``[B, HV, K, V]`` tensor to write the final state
+    into, which may be ``initial_state`` itself (each program reads its state tile
+    whole before it writes it back); the benchmark times the in-place update
+    with it."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -599,7 +604,14 @@ def kda_recurrent_fwd_triton(
     scale = K**-0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.contiguous()
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    ht = torch.empty(B, HV, K, V, device=q.device, dtype=torch.float32)
+    if final_state_out is None:
+        ht = torch.empty(B, HV, K, V, device=q.device, dtype=torch.float32)
+    else:
+        if (final_state_out.shape != (B, HV, K, V) or final_state_out.dtype != torch.float32
+                or not final_state_out.is_contiguous()):
+            raise ValueError(f"final_state_out: expected a contiguous fp32 tensor of shape {(B, HV, K, V)}, "
+                             f"got {final_state_out.dtype} {tuple(final_state_out.shape)}")
+        ht = final_state_out
     if B * HV == 0:
         return o, ht
     BK = max(16, triton.next_power_of_2(K))
