@@ -154,15 +154,17 @@ GVA_ROWS = 32
 RECURRENT_MAX_T = 16
 # The recurrent kernel's V block (at most; at least 16) and warps per program:
 # 90% of the copy ceiling at B = 256 and 83% at B = 64 (HV = 32, K = V = 128) on
-# the H200 with these; benchmarks/bench_decode.py --settings times others.
+# the H200 with these; benchmarks/bench_decode.py --settings times others. Timed
+# and slower (graph replay at B = 64, 2026-11-30): BV 64 (80.9 us vs 75.7), BV 16
+# (88.2 vs 75.8), eight warps (81.4), two warps (78.9), BV 16 with two (76.6).
 RECURRENT_BV = 32
 RECURRENT_WARPS = 4
 # A cap on its registers per thread (None: the compiler's 150, i.e. three CTAs of
-# four warps per SM). 128 (28 B of spills, kernel_resources.py) lets four share an
-# SM: more of the state's bytes in flight at B = 64, where it runs at 83% of the
-# copy ceiling and 2% behind fla. Untimed.
+# four warps per SM). 128 (28 B of spills) lets four share an SM; timed on the H200
+# (2026-11-30): B = 64 graph replay 76.2 -> 81.2 us, slower.
 RECURRENT_MAXNREG = None
-# Cache hints on the recurrent kernel's state traffic (recurrent_fwd.py); untimed.
+# Cache hints on the recurrent kernel's state traffic (recurrent_fwd.py): timed
+# slower (81.2 vs 75.7 us at B = 64, 2026-11-30).
 RECURRENT_STREAM_HINTS = 0
 # Cache hints on its inputs and output (recurrent_fwd.py): q, k, g evict-last (the
 # other V blocks' programs read them again), v and o evict-first, as fla's decode
