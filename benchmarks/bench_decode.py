@@ -74,7 +74,7 @@ def main() -> int:
         import fla
         from fla.ops.kda import fused_recurrent_kda as fla_fused
 
-        # fla may write the final state into initial_state's buffer: same bytes moved.
+        # fla's public function writes a fresh final state (inplace_final_state=False), as ours.
         impls["fla"] = lambda q, k, v, g, beta, h0: fla_fused(
             q, k, v, g, beta, initial_state=h0, output_final_state=True)
         fla_version = getattr(fla, "__version__", "?")
@@ -124,9 +124,10 @@ def main() -> int:
 
 
 def time_inplace_probe(ceiling) -> None:
-    """Our recurrent kernel writing the final state over the initial one, as fla's
-    does by default (its inplace_final_state): whether that alone closes the gap.
-    The kernel's host function is called directly (the ops return a new state)."""
+    """Our recurrent kernel writing the final state over the initial one (no
+    second state buffer; what fla's lower-level function does by default, not
+    its public one): whether an in-place decode op would be faster. The kernel's
+    host function is called directly (the ops return a new state)."""
     from kda_op.triton_kernels import kda_recurrent_fwd_triton
 
     for B, HV, H in SHAPES:
