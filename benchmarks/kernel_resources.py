@@ -23,7 +23,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import intra_a_fwd, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
+from kda_op.triton_kernels import gam_fwd, intra_a_fwd, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
 from kda_op import _contract
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
 from kda_op.triton_kernels import launch as L
@@ -144,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     scale_type = args.scale_type
     common = dict(K=K, V=V, BT=BT)
     runs = [
+        (gam_fwd.kda_gam_fwd_kernel, dict(g=f32, gam=f32, **ints), dict(K=K, BT=BT, BKG=L.BKG), L.GAM_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
          dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(L.INTRA_A_SPREAD_TILE),
-              GAM_LAST_ONLY=bool(L.INTRA_GAM_FROM_G)),
+              GAM_LAST_ONLY=bool(L.INTRA_GAM_FROM_G) and not L.INTRA_GAM_KERNEL, GAM_IN=bool(L.INTRA_GAM_KERNEL)),
          L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),

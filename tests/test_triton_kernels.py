@@ -253,6 +253,40 @@ def test_triton_gam_from_g_changes_no_forward_result(dtype, monkeypatch):
             assert ((stored.float() - formed.float()).norm() / stored.float().norm()).item() < 1e-5, name
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_gam_kernel_changes_no_result(dtype, monkeypatch):
+    """launch.INTRA_GAM_KERNEL (gam = cumsum(g) in a launch of its own, read by
+    intra_a_fwd): the forward's outputs and kept intermediates, and the grads from
+    them and from the backward's recompute, as without it, with a steep chunk and
+    a partial one, at a K that leaves a partial K block; bitwise under the
+    interpreter (the same in-order sums), to rounding on the GPU."""
+    from kda_op.triton_kernels import launch
+
+    inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=47)
+    g = inputs["g"].clone()
+    g[:, CHUNK_SIZE: 2 * CHUNK_SIZE] -= 4.0  # a steep second chunk
+    inputs["g"] = g
+    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+    gen = torch.Generator().manual_seed(48)
+    do = torch.randn(1, 2 * CHUNK_SIZE + 5, 2, 40, generator=gen).to(dtype).to(DEVICE)
+    dht = torch.randn(1, 2, 48, 40, generator=gen).to(DEVICE)
+    monkeypatch.setattr(launch, "BKG", 32)  # K = 48: one whole and one partial K block
+    results = []
+    for gam_kernel in (0, 1):
+        monkeypatch.setattr(launch, "INTRA_GAM_KERNEL", gam_kernel)
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0, keep_intermediates=True)
+        grads = kda_bwd_triton(*args, None, h0, cs, do, dht, intermediates=kept)
+        grads_recomputed = kda_bwd_triton(*args, None, h0, cs, do, dht, intermediates=None)
+        results.append((o, ht, cs, kept) + tuple(grads) + tuple(grads_recomputed))
+    for i, (per_slice, separate) in enumerate(zip(*results)):
+        if DEVICE == "cpu":
+            assert torch.equal(_bytes(per_slice), _bytes(separate)), i
+        elif per_slice.dtype != torch.uint8:  # the GPU's scans may associate differently
+            err = ((per_slice.float() - separate.float()).norm() / per_slice.float().norm()).item()
+            assert err < 1e-4, (i, err)
+
+
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks the interpreter's accesses")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,T,H,G,K,V", [

@@ -50,8 +50,10 @@ def kda_intra_a_fwd_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = False,
-    GAM_LAST_ONLY: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    GAM_LAST_ONLY: tl.constexpr = False, GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
+    # GAM_IN: gam was written by gam_fwd.py (launch.INTRA_GAM_KERNEL): read here,
+    # with its middle and last rows as vector loads, and not stored again.
     # GAM_LAST_ONLY: of gam, only each chunk's last row is stored (what the forward
     # scan reads); intra_wu_fwd then forms gam again from g (launch.INTRA_GAM_FROM_G).
     # One pass over K slices: the A's are accumulated as if the chunk were not
@@ -95,13 +97,18 @@ def kda_intra_a_fwd_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
-        b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-        if GAM_LAST_ONLY:
-            tl.store(gam + p_tk, b_gam, mask=m_k[None, :] & is_last)
+        if GAM_IN:
+            b_gam = tl.load(gam + p_tk, mask=m_k[None, :], other=0.0)
+            b_glast = tl.load(gam + (t0 + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
         else:
-            tl.store(gam + p_tk, b_gam, mask=m_k[None, :])
-        b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
-        b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
+            b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+            if GAM_LAST_ONLY:
+                tl.store(gam + p_tk, b_gam, mask=m_k[None, :] & is_last)
+            else:
+                tl.store(gam + p_tk, b_gam, mask=m_k[None, :])
+            b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
+            b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
         b_dmid = b_gam - b_gmid[None, :]
         if SPREAD_TILE:
             # elementwise here, one cross-warp reduction after the loop

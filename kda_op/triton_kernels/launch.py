@@ -19,6 +19,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 from .._contract import CHUNK_SIZE, aqk_dtype, chunk_states_dtype, intermediates_layout, residual_dtype, scan_operand_dtype
+from .gam_fwd import kda_gam_fwd_kernel
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
@@ -81,6 +82,15 @@ INTRA_A_SPREAD_TILE = 1
 # and intra_wu_fwd forms gam again from g (1), instead of the whole gam written
 # and read back (0): 268 MB less written at B2-T8192-H8-HV32. Untimed.
 INTRA_GAM_FROM_G = 0
+# gam = cumsum(g) in a launch of its own (gam_fwd.py, K blocks of BKG, GAM_WARPS
+# warps) before intra_a_fwd, which then reads gam and its middle and last rows
+# instead of forming them per K slice with a cross-warp scan and two cross-warp
+# reductions (the split experiment above: that per-slice work, not the A's dots,
+# sets intra_a_fwd's time). Costs one more read of g's bytes. Supersedes
+# INTRA_GAM_FROM_G where both are set. Untimed.
+INTRA_GAM_KERNEL = 0
+BKG = 32
+GAM_WARPS = 2
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
 BKS = 32
@@ -321,11 +331,16 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
     regs = dict(maxnreg=INTRA_A_FWD_MAXNREG) if INTRA_A_FWD_MAXNREG else {}
+    gam_kernel = bool(INTRA_GAM_KERNEL)
+    if gam_kernel:
+        _kernel(kda_gam_fwd_kernel, traced)[(NC, B * HV, triton.cdiv(K, BKG))](
+            g, gam, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BKG=BKG, num_warps=GAM_WARPS,
+        )
     # Without Tm stored nothing is kept for a backward, which is what would read gam.
-    gam_from_g = bool(INTRA_GAM_FROM_G) and not store_tm
+    gam_from_g = bool(INTRA_GAM_FROM_G) and not store_tm and not gam_kernel
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, SPREAD_TILE=bool(INTRA_A_SPREAD_TILE),
-        GAM_LAST_ONLY=gam_from_g, INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
+        GAM_LAST_ONLY=gam_from_g, GAM_IN=gam_kernel, INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
     )
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
         q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),

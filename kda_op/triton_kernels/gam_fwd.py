@@ -1,0 +1,38 @@
+"""Stage 1 (optional first launch, launch.INTRA_GAM_KERNEL): gam = cumsum(g) in each chunk.
+
+One program per (chunk, batch * value head, K block of BKG). It writes the padded
+gam buffer [B, NC*BT, HV, K] (rows past T load g = 0, so they repeat the last
+gam) in fp32, so that intra_a_fwd.py reads gam, and the chunk's middle and last
+rows as plain vector loads, instead of forming them with a cross-warp scan and
+two cross-warp reductions for every K slice.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._indexing import sequence_and_heads
+
+
+@triton.jit
+def kda_gam_fwd_kernel(
+    g, gam,
+    T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, BT: tl.constexpr, BKG: tl.constexpr,
+):
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_k = tl.program_id(2)
+    i_b, i_hv, _, bos = sequence_and_heads(i_bh, T, H, HV)
+    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
+    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    g += (bos * HV + i_hv) * K
+    gam += (i_b * NC * BT * HV + i_hv) * K
+    o_t = i_c * BT + tl.arange(0, BT)
+    o_k = i_k * BKG + tl.arange(0, BKG)
+    m_k = o_k < K
+    p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
+    b_g = tl.load(g + p_tk, mask=(o_t < T)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    tl.store(gam + p_tk, tl.cumsum(b_g, axis=0), mask=m_k[None, :])
