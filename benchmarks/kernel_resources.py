@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         # launches it, then as one that keeps nothing (gam from g under INTRA_GAM_FROM_G)
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
            dict(k=x, v=x, g=f32, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
-           dict(common, BC=BC, BK=s["BK"], BV=s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=L.TM_ROW_LOADS,
+           dict(common, BC=BC, BK=s["BK"], BV=L.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=L.TM_ROW_LOADS,
                 BF16_DOTS=L.WU_BF16_DOTS and args.dtype == "bf16", GAM_FROM_G=bool(L.INTRA_GAM_FROM_G) and not keep),
            L.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else L.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],

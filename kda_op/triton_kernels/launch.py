@@ -58,6 +58,9 @@ INTRA_BWD_A_WARPS = 4
 # warps): intra_wu_fwd 0.229 -> 0.190 ms, forward 0.999 -> 0.958 ms, outputs
 # bitwise the same (bench_kernels.py, 2026-11-30).
 TM_ROW_LOADS = 1
+# intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <= 128).
+# Untimed alternative values.
+INTRA_WU_BV = None
 # intra_a_fwd (the A's, Qg, Kr): K slices of BKA (bounded shared memory at any
 # K); a cap on its registers per thread (None: the compiler's choice, 255 at every
 # BKA; 168 lets three CTAs share an SM). On the H200 (bf16, bench_kernels.py,
@@ -348,7 +351,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     )
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
         k, v, g, beta, gam, akk, w, u, tm, T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=s["BV"],
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=INTRA_WU_BV or s["BV"],
         STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=TM_ROW_LOADS,
         BF16_DOTS=s["WU_BF16_DOTS"], GAM_FROM_G=gam_from_g, INTERPRET=_INTERPRET,
         num_warps=INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else INTRA_WU_FWD_WARPS,
