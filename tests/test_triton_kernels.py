@@ -200,6 +200,18 @@ def test_triton_forward_scan_options(options, blocks, monkeypatch):
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=32)
 
 
+@pytest.mark.parametrize("wu_bv", [16, 64])
+def test_triton_intra_wu_v_block(wu_bv, monkeypatch):
+    """launch.INTRA_WU_BV (intra_wu_fwd's V block for U) gives the reference's
+    forward and backward, at a V that leaves a partial V block (16) or fits one
+    block (64)."""
+    from kda_op.triton_kernels import launch
+
+    monkeypatch.setattr(launch, "INTRA_WU_BV", wu_bv)
+    inputs = _inputs(1, CHUNK_SIZE + 7, 1, 2, 32, 40, True, seed=51)
+    _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=52)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
     """launch.INTRA_A_SPREAD_TILE (intra_a_fwd's steep test reduced once after its
