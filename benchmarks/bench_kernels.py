@@ -21,14 +21,12 @@ import triton.testing
 
 from bench_chunk_kda import SHAPES, kernel_times, make_inputs, parse_setting, setting_modules, setting_value
 
-# Most informative first (a time limit cuts the tail): the kept intermediates
-# against recomputing them; U, U' and the chunk states in bf16 (the output kernel
-# is at the copy ceiling at B2, and those are two thirds of its bytes); the forward scan, the stage
-# furthest above fla's at B2 (0.43 ms to 0.30): a fourth stage, TF32 dots again;
-# then the rest untried.
-DEFAULT_SETTINGS = ["", "RECOMPUTE=1", "BF16_RESIDUALS=1", "BF16_CHUNK_STATES=1",
-                    "BF16_RESIDUALS=1,BF16_CHUNK_STATES=1", "SCAN_FWD_STAGES=4", "SCAN_BF16_DOTS=0",
-                    "INTRA_BWD_WARPS=8"]
+# Most informative first (a time limit cuts the tail): the intra-chunk forward,
+# the stage furthest above fla's at B2 (1.36 ms to 1.14, sixth session): gam in a
+# launch of its own, gam formed again in intra_wu_fwd, intra_wu_fwd's V block and
+# warps; then the kept intermediates against recomputing them.
+DEFAULT_SETTINGS = ["", "INTRA_GAM_KERNEL=1", "INTRA_GAM_KERNEL=1,BKG=64", "INTRA_GAM_FROM_G=1", "INTRA_WU_BV=32",
+                    "INTRA_WU_FWD_WARPS_BF16=8", "INTRA_WU_FWD_WARPS_BF16=8,INTRA_WU_BV=128", "RECOMPUTE=1"]
 
 
 def main() -> int:
