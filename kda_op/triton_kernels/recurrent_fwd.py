@@ -65,13 +65,15 @@ def kda_recurrent_fwd_kernel(
             b_q = tl.load(q + row_qk, mask=m_k, other=0.0, eviction_policy="evict_last").to(tl.float32) * scale
             b_k = tl.load(k + row_qk, mask=m_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
             b_g = tl.load(g + row_hv * K + o_k, mask=m_k, other=0.0, eviction_policy="evict_last").to(tl.float32)
-            b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0, eviction_policy="evict_first").to(tl.float32)
         else:
             b_q = tl.load(q + row_qk, mask=m_k, other=0.0).to(tl.float32) * scale
             b_k = tl.load(k + row_qk, mask=m_k, other=0.0).to(tl.float32)
             b_g = tl.load(g + row_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
-            b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + row_hv).to(tl.float32)
+        if INPUT_HINTS:
+            b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        else:
+            b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0).to(tl.float32)
 
         b_s = b_s * tl.exp(b_g)[:, None]
         b_r = b_v - tl.sum(b_k[:, None] * b_s, 0)
