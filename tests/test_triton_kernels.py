@@ -212,6 +212,17 @@ def test_triton_intra_wu_v_block(wu_bv, monkeypatch):
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=52)
 
 
+def _with_steep_second_chunk(dtype, seed):
+    """Inputs of 2 chunks and 5 tokens (K = 48, V = 40, G = 2) whose second chunk
+    is steep, q, k, v and beta cast to ``dtype`` (g stays fp32): the positional
+    arguments and the initial state."""
+    inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=seed)
+    g = inputs["g"].clone()
+    g[:, CHUNK_SIZE: 2 * CHUNK_SIZE] -= 4.0
+    inputs["g"] = g
+    return [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES], inputs["initial_state"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
     """launch.INTRA_A_SPREAD_TILE (intra_a_fwd's steep test reduced once after its
@@ -219,15 +230,11 @@ def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
     bitwise equal, with a steep chunk and a partial one."""
     from kda_op.triton_kernels import launch
 
-    inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=41)
-    g = inputs["g"].clone()
-    g[:, CHUNK_SIZE: 2 * CHUNK_SIZE] -= 4.0  # a steep second chunk
-    inputs["g"] = g
-    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+    args, h0 = _with_steep_second_chunk(dtype, seed=41)
     results = []
     for tile in (0, 1):
         monkeypatch.setattr(launch, "INTRA_A_SPREAD_TILE", tile)
-        results.append(kda_fwd_triton(*args, None, inputs["initial_state"], keep_intermediates=True))
+        results.append(kda_fwd_triton(*args, None, h0, keep_intermediates=True))
     assert results[1][3].numel() > 0  # the intermediates were kept
     for per_slice, tiled in zip(*results):
         assert torch.equal(_bytes(per_slice), _bytes(tiled))
@@ -242,11 +249,7 @@ def test_triton_gam_from_g_changes_no_forward_result(dtype, monkeypatch):
     cumsum adds in order, so both forms of gam are the same bits."""
     from kda_op.triton_kernels import launch
 
-    inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=43)
-    g = inputs["g"].clone()
-    g[:, CHUNK_SIZE: 2 * CHUNK_SIZE] -= 4.0  # a steep second chunk
-    inputs["g"] = g
-    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+    args, h0 = _with_steep_second_chunk(dtype, seed=43)
     results = []
     real_empty = torch.empty
     for from_g in (0, 1):
@@ -254,7 +257,7 @@ def test_triton_gam_from_g_changes_no_forward_result(dtype, monkeypatch):
         # fresh allocations filled with NaN bytes: no gam row left over from the
         # first run can stand in for one the second did not write
         monkeypatch.setattr(torch, "empty", lambda *a, **kw: _filled(real_empty(*a, **kw), 0xFF))
-        o, ht, cs, kept = kda_fwd_triton(*args, None, inputs["initial_state"], keep_intermediates=False)
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0, keep_intermediates=False)
         monkeypatch.setattr(torch, "empty", real_empty)
         assert kept.numel() == 0
         results.append((o, ht, cs))
@@ -274,12 +277,7 @@ def test_triton_gam_kernel_changes_no_result(dtype, monkeypatch):
     interpreter (the same in-order sums), to rounding on the GPU."""
     from kda_op.triton_kernels import launch
 
-    inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=47)
-    g = inputs["g"].clone()
-    g[:, CHUNK_SIZE: 2 * CHUNK_SIZE] -= 4.0  # a steep second chunk
-    inputs["g"] = g
-    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
-    h0 = inputs["initial_state"]
+    args, h0 = _with_steep_second_chunk(dtype, seed=47)
     gen = torch.Generator().manual_seed(48)
     do = torch.randn(1, 2 * CHUNK_SIZE + 5, 2, 40, generator=gen).to(dtype).to(DEVICE)
     dht = torch.randn(1, 2, 48, 40, generator=gen).to(DEVICE)

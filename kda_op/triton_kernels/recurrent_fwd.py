@@ -69,6 +69,7 @@ def kda_recurrent_fwd_kernel(
             b_q = tl.load(q + row_qk, mask=m_k, other=0.0).to(tl.float32) * scale
             b_k = tl.load(k + row_qk, mask=m_k, other=0.0).to(tl.float32)
             b_g = tl.load(g + row_hv * K + o_k, mask=m_k, other=0.0).to(tl.float32)
+        # beta between q, k, g and v: the load order of the kernel timed on the H200
         b_beta = tl.load(beta + row_hv).to(tl.float32)
         if INPUT_HINTS:
             b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0, eviction_policy="evict_first").to(tl.float32)
