@@ -22,11 +22,12 @@ import triton.testing
 from bench_chunk_kda import SHAPES, kernel_times, make_inputs, parse_setting, setting_modules, setting_value
 
 # Most informative first (a time limit cuts the tail): the intra-chunk forward,
-# the stage furthest above fla's at B2 (1.36 ms to 1.14, sixth session): gam in a
-# launch of its own, gam formed again in intra_wu_fwd, intra_wu_fwd's V block and
-# warps; then the kept intermediates against recomputing them.
-DEFAULT_SETTINGS = ["", "INTRA_GAM_KERNEL=1", "INTRA_GAM_KERNEL=1,BKG=64", "INTRA_GAM_FROM_G=1", "INTRA_WU_BV=32",
-                    "INTRA_WU_FWD_WARPS_BF16=8", "INTRA_WU_FWD_WARPS_BF16=8,INTRA_WU_BV=128", "RECOMPUTE=1"]
+# the stage furthest above fla's at B2 (seventh session: gam_fwd 0.13 + intra_a_fwd
+# 0.39 + intra_wu_fwd 0.60 ms against fla's 1.14): the sixth session's form (gam
+# formed per K slice), the slices' width, intra_wu_fwd's V block and register cap;
+# then the kept intermediates against recomputing them.
+DEFAULT_SETTINGS = ["", "INTRA_GAM_KERNEL=0,BKA=16,INTRA_WU_BV=None", "BKA=16", "BKA=64", "INTRA_WU_BV=16",
+                    "INTRA_A_FWD_MAXNREG=None", "RECOMPUTE=1"]
 
 
 def main() -> int:

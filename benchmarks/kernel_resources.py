@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         owner = L if hasattr(L, name) else _contract  # launch.py's, or _contract's (e.g. BF16_AQK)
         if not name.isupper() or not hasattr(owner, name):
             raise SystemExit(f"unknown setting {name!r}")
-        setattr(owner, name, int(value))
+        setattr(owner, name, None if value == "None" else int(value))  # None: e.g. INTRA_WU_BV
 
     import torch
 
@@ -148,17 +148,17 @@ def main(argv: list[str] | None = None) -> int:
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
          dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(L.INTRA_A_SPREAD_TILE),
-              GAM_LAST_ONLY=bool(L.INTRA_GAM_FROM_G) and not L.INTRA_GAM_KERNEL, GAM_IN=bool(L.INTRA_GAM_KERNEL)),
+              GAM_IN=bool(L.INTRA_GAM_KERNEL)),
          L.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
          dict(K=K, BT=BT, BC=BC, BKS=L.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         # as the forward that keeps its intermediates (and the backward's recompute)
-        # launches it, then as one that keeps nothing (gam from g under INTRA_GAM_FROM_G)
+        # launches it, then as one that keeps nothing
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
-           dict(k=x, v=x, g=f32, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
+           dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
            dict(common, BC=BC, BK=s["BK"], BV=L.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=L.TM_ROW_LOADS,
-                BF16_DOTS=L.WU_BF16_DOTS and args.dtype == "bf16", GAM_FROM_G=bool(L.INTRA_GAM_FROM_G) and not keep),
+                BF16_DOTS=L.WU_BF16_DOTS and args.dtype == "bf16"),
            L.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else L.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
         (state_fwd.kda_state_fwd_kernel,

@@ -30,8 +30,8 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
 
 @pytest.mark.parametrize("options", [
     ("--bf16-residuals", "0", "--bf16-chunk-states", "0"),  # U, U' and the chunk states in fp32
-    ("--set", "INTRA_A_SPREAD_TILE=0", "BF16_AQK=0", "INTRA_GAM_FROM_G=1", "RECURRENT_INPUT_HINTS=1"),
-    ("--set", "INTRA_GAM_KERNEL=1"),
+    ("--set", "INTRA_A_SPREAD_TILE=0", "BF16_AQK=0", "RECURRENT_INPUT_HINTS=0"),
+    ("--set", "INTRA_GAM_KERNEL=0", "BKA=16", "INTRA_WU_BV=None"),  # the sixth session's intra-chunk forward
 ])
 def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
     """bf16 inputs under the options that are not the defaults."""

@@ -1,8 +1,8 @@
 """Triton (CUDA) kernels of the KDA ops, one module per stage of the chunked form
 (DESIGN.md section 2; chunks of CHUNK_SIZE = 64 tokens, sub-blocks of 16):
 
-forward   gam_fwd.py     gam = cumsum(g) in a launch of its own (launch.INTRA_GAM_KERNEL, off)
-          intra_a_fwd.py  gam (unless gam_fwd.py ran), A_kk, A_qk, Qg, Kr (a separate
+forward   gam_fwd.py     gam = cumsum(g) per chunk (launch.INTRA_GAM_KERNEL)
+          intra_a_fwd.py  (gam where gam_fwd.py is off) A_kk, A_qk, Qg, Kr (a separate
                          launch for steep chunks)
           intra_wu_fwd.py Tm = (I + diag(beta) A_kk)^-1, W, U
           state_fwd.py   the scan over chunks: chunk states, residuals U' = U - W S0

@@ -1,4 +1,4 @@
-"""Stage 1 (optional first launch, launch.INTRA_GAM_KERNEL): gam = cumsum(g) in each chunk.
+"""Stage 1 (the first launch unless launch.INTRA_GAM_KERNEL is 0): gam = cumsum(g) in each chunk.
 
 One program per (chunk, batch * value head, K block of BKG). It writes the padded
 gam buffer [B, NC*BT, HV, K] (rows past T load g = 0, so they repeat the last

@@ -50,12 +50,10 @@ def kda_intra_a_fwd_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = False,
-    GAM_LAST_ONLY: tl.constexpr = False, GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
     # GAM_IN: gam was written by gam_fwd.py (launch.INTRA_GAM_KERNEL): read here,
     # with its middle and last rows as vector loads, and not stored again.
-    # GAM_LAST_ONLY: of gam, only each chunk's last row is stored (what the forward
-    # scan reads); intra_wu_fwd then forms gam again from g (launch.INTRA_GAM_FROM_G).
     # One pass over K slices: the A's are accumulated as if the chunk were not
     # steep (its middle row is in every slice) and dropped if it is, so gam, Q and
     # K are read once. On a steep chunk the split factors may overflow to inf;
@@ -103,10 +101,7 @@ def kda_intra_a_fwd_kernel(
             b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
         else:
             b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-            if GAM_LAST_ONLY:
-                tl.store(gam + p_tk, b_gam, mask=m_k[None, :] & is_last)
-            else:
-                tl.store(gam + p_tk, b_gam, mask=m_k[None, :])
+            tl.store(gam + p_tk, b_gam, mask=m_k[None, :])
             b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
             b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
         b_dmid = b_gam - b_gmid[None, :]
@@ -126,14 +121,6 @@ def kda_intra_a_fwd_kernel(
 
     is_steep = spread > MAX_SPLIT
     tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
-    if GAM_LAST_ONLY:
-        if is_steep:  # the steep launch reads this chunk's whole gam: formed again and stored
-            for i_s in range(tl.cdiv(K, BKA)):
-                o_k = i_s * BKA + tl.arange(0, BKA)
-                p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
-                b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_t[:, None] & (o_k < K)[None, :], other=0.0).to(tl.float32),
-                                  axis=0)
-                tl.store(gam + p_tk, b_gam, mask=(o_k < K)[None, :])
     if not is_steep:
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
         tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])

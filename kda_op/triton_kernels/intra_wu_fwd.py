@@ -17,19 +17,17 @@ from ._indexing import sequence_and_heads
 
 @triton.jit
 def kda_intra_wu_fwd_kernel(
-    k, v, g, beta, gam, akk,
+    k, v, beta, gam, akk,
     w, u, tm,
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
-    BF16_DOTS: tl.constexpr = False, GAM_FROM_G: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
     # BF16_DOTS (bf16 inputs): W and U from Tm and their right-hand sides rounded to
     # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
-    # GAM_FROM_G: gam = cumsum(g) formed here from g instead of read (intra_a_fwd
-    # then stores only its last rows): a forward that keeps nothing for a backward.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
@@ -38,7 +36,6 @@ def kda_intra_wu_fwd_kernel(
     # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
     k += (bos * H + i_h) * K
     v += (bos * HV + i_hv) * V
-    g += (bos * HV + i_hv) * K
     u += (bos * HV + i_hv) * V
     w += (bos * HV + i_hv) * K
     beta += bos * HV + i_hv
@@ -95,13 +92,8 @@ def kda_intra_wu_fwd_kernel(
 
     b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # gam is reloaded (or formed) rather than kept live through the inverse
-    # (register pressure).
-    if GAM_FROM_G:
-        b_gam = tl.cumsum(tl.load(g + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :],
-                                  other=0.0).to(tl.float32), axis=0)
-    else:
-        b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+    # gam is reloaded rather than kept live through the inverse (register pressure).
+    b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
     b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
     tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
              mask=m_t[:, None] & m_k[None, :])

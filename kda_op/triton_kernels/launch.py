@@ -58,9 +58,11 @@ INTRA_BWD_A_WARPS = 4
 # warps): intra_wu_fwd 0.229 -> 0.190 ms, forward 0.999 -> 0.958 ms, outputs
 # bitwise the same (bench_kernels.py, 2026-11-30).
 TM_ROW_LOADS = 1
-# intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <= 128).
-# Untimed alternative values.
-INTRA_WU_BV = None
+# intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
+# 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
+# intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
+# B1-T8192-H16 at 32; 16 the same within noise (0.607 / 0.170).
+INTRA_WU_BV = 32
 # intra_a_fwd (the A's, Qg, Kr): K slices of BKA (bounded shared memory at any
 # K); a cap on its registers per thread (None: the compiler's choice, 255 at every
 # BKA; 168 lets three CTAs share an SM). On the H200 (bf16, bench_kernels.py,
@@ -69,8 +71,11 @@ INTRA_WU_BV = None
 # B1-T8192-H16, forward 2.416 -> 2.365 ms at B2-T8192-H8-HV32; the A's changed by
 # 4e-4 (relative; the K slices' order of summation). Two passes at BKA = 32 or 16
 # were slower (0.238, 0.252 ms), as was the cap of 128 (0.217). The two-pass form
-# is gone (commit history).
-BKA = 16
+# is gone (commit history). With gam from its own launch (INTRA_GAM_KERNEL) the
+# K slices carry less: BKA = 32 took intra_a_fwd 0.424 -> 0.385 ms at B2 and
+# 0.126 -> 0.114 at B1, forward 1.723 -> 1.688 and 0.590 -> 0.580 ms (H200,
+# bench_kernels.py, 2026-11-30, seventh session).
+BKA = 32
 INTRA_A_FWD_MAXNREG = 168
 # intra_a_fwd's test for a steep chunk: the spread of gam around the middle row
 # kept elementwise over the K slices and reduced across warps once (1), instead
@@ -80,19 +85,21 @@ INTRA_A_FWD_MAXNREG = 168
 # with one A each (intra_a_fwd 0.714 -> 1.27 ms at B2), two pipeline stages
 # (0.714 -> 0.776), eight warps (0.195 -> 0.232 at B1).
 INTRA_A_SPREAD_TILE = 1
-# A forward that keeps nothing for a backward (no grads, or recompute_in_backward):
-# intra_a_fwd stores only each chunk's last row of gam (the forward scan's decay)
-# and intra_wu_fwd forms gam again from g (1), instead of the whole gam written
-# and read back (0): 268 MB less written at B2-T8192-H8-HV32. Untimed.
-INTRA_GAM_FROM_G = 0
 # gam = cumsum(g) in a launch of its own (gam_fwd.py, K blocks of BKG, GAM_WARPS
 # warps) before intra_a_fwd, which then reads gam and its middle and last rows
-# instead of forming them per K slice with a cross-warp scan and two cross-warp
-# reductions (the split experiment above: that per-slice work, not the A's dots,
-# sets intra_a_fwd's time). Costs one more read of g's bytes. Supersedes
-# INTRA_GAM_FROM_G where both are set. Untimed.
-INTRA_GAM_KERNEL = 0
-BKG = 32
+# (1), instead of forming them per K slice with a cross-warp scan and two
+# cross-warp reductions (0), the work that set intra_a_fwd's time (two programs
+# per chunk, each with that work, took twice as long). Costs one more read of g.
+# On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session, at BKA =
+# 16): intra_a_fwd 0.679 -> 0.424 ms plus gam_fwd 0.132 at B2-T8192-H8-HV32,
+# forward 1.846 -> 1.726 ms; B1-T8192-H16 0.623 -> 0.599. BKG = 32 (gam_fwd
+# 0.149 ms at B2), 128 (0.133) and four warps (0.131) no better than 64. o
+# differs from 0's by up to 5e-4 (relative; the GPU's scans associate
+# differently; bitwise the same under the interpreter). Tried the same day and
+# dropped: without a kernel of its own, gam formed again in intra_wu_fwd from g
+# when nothing is kept (forward 1.846 -> 2.054 ms).
+INTRA_GAM_KERNEL = 1
+BKG = 64
 GAM_WARPS = 2
 # K slices of the backward through the states and W (intra_bwd_w.py) and of the
 # forward's steep path (intra_a_fwd.py)
@@ -181,9 +188,11 @@ RECURRENT_MAXNREG = None
 RECURRENT_STREAM_HINTS = 0
 # Cache hints on its inputs and output (recurrent_fwd.py): q, k, g evict-last (the
 # other V blocks' programs read them again), v and o evict-first, as fla's decode
-# kernel sets them (fla 0.6.0, fused_recurrent.py). Untimed: fla's B = 64 step
-# is 2-3% faster than ours with the same V block and warps.
-RECURRENT_INPUT_HINTS = 0
+# kernel sets them (fla 0.6.0, fused_recurrent.py). On the H200 (bench_decode.py,
+# CUDA graph replay, 2026-11-30, seventh session): B = 64 76.1 -> 72.7 us (fla
+# 74.2-74.4), B = 256 278.4 -> 269.7 us; the same bits. With them, two warps
+# (73.4), BV 64 (74.9) and BV 16 (82.7) were slower at B = 64.
+RECURRENT_INPUT_HINTS = 1
 
 
 # Under Triton's interpreter (CPU CI) bf16 dots are emulated (_dot.py).
@@ -339,21 +348,19 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         _kernel(kda_gam_fwd_kernel, traced)[(NC, B * HV, triton.cdiv(K, BKG))](
             g, gam, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BKG=BKG, num_warps=GAM_WARPS,
         )
-    # Without Tm stored nothing is kept for a backward, which is what would read gam.
-    gam_from_g = bool(INTRA_GAM_FROM_G) and not store_tm and not gam_kernel
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=BKA, SPREAD_TILE=bool(INTRA_A_SPREAD_TILE),
-        GAM_LAST_ONLY=gam_from_g, GAM_IN=gam_kernel, INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
+        GAM_IN=gam_kernel, INTERPRET=_INTERPRET, num_warps=INTRA_A_FWD_WARPS, **regs,
     )
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
         q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
         BC=BC, BKS=BKS, INTERPRET=_INTERPRET, num_warps=4,
     )
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-        k, v, g, beta, gam, akk, w, u, tm, T, NC,
+        k, v, beta, gam, akk, w, u, tm, T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=INTRA_WU_BV or s["BV"],
         STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=TM_ROW_LOADS,
-        BF16_DOTS=s["WU_BF16_DOTS"], GAM_FROM_G=gam_from_g, INTERPRET=_INTERPRET,
+        BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET,
         num_warps=INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else INTRA_WU_FWD_WARPS,
     )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
