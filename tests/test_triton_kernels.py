@@ -266,7 +266,11 @@ def test_triton_gam_kernel_changes_no_result(dtype, monkeypatch):
             assert torch.equal(_bytes(per_slice), _bytes(separate)), i
         elif per_slice.dtype != torch.uint8:  # the GPU's scans may associate differently
             err = ((per_slice.float() - separate.float()).norm() / per_slice.float().norm()).item()
-            assert err < 1e-4, (i, err)
+            # fp32: rounding of the sums only. bf16: a last-bit change of gam can
+            # flip the bf16 rounding of Qg, Kr and W (2^-8 relative) that every
+            # later stage reads: 8.3e-4 on the final state on the H200; a wrong gam
+            # row or column would move the results by O(1).
+            assert err < (1e-4 if dtype == torch.float32 else 4e-3), (i, err)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks the interpreter's accesses")
