@@ -12,6 +12,7 @@ launch on the H200; spills mean local-memory traffic.
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import re
 import subprocess
@@ -25,15 +26,21 @@ from triton.compiler import ASTSource
 
 from kda_op.triton_kernels import gam_fwd, intra_a_fwd, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
 from kda_op import _contract
+from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
 from kda_op.triton_kernels import launch as L
 from kda_op.triton_kernels.launch import BC, BKD, BKD_A, BT, MAX_SPLIT, _sizes
 
 TARGET = GPUTarget("cuda", 90, 32)
-PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+PTXAS = ptxas_path(TARGET.arch)
 
 
 def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int):
+    # Every constexpr with a default that the caller did not set is passed as its
+    # default: Triton >= 3.7 types an omitted one as None ('_unflatten_ir' error).
+    defaults = {name: p.default for name, p in inspect.signature(fn.fn).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    constexprs = {**{n: v for n, v in defaults.items() if n not in signature}, **constexprs}
     options = {"num_warps": num_warps, "num_stages": num_stages}
     if fn.__name__ == "kda_intra_a_fwd_kernel" and L.INTRA_A_FWD_MAXNREG:
         options["maxnreg"] = L.INTRA_A_FWD_MAXNREG
@@ -57,7 +64,7 @@ def sass_summary(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     kernel = _compile(fn, signature, constexprs, num_warps, num_stages)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(kernel.asm["cubin"])
-    sass = subprocess.run([os.path.join(os.path.dirname(PTXAS), "cuobjdump"), "-sass", f.name],
+    sass = subprocess.run([cuobjdump_path(), "-sass", f.name],
                           capture_output=True, text=True).stdout
     os.unlink(f.name)
     lines = [ln for ln in sass.splitlines() if re.match(r"\s+/\*[0-9a-f]{4,}\*/", ln)]

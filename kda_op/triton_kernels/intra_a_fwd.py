@@ -193,8 +193,10 @@ def kda_intra_a_fwd_steep_kernel(
                 else:  # exact exp(gam_i - gam_j), one column j at a time
                     for j in range(BC):  # a runtime loop: unrolled, it multiplies compile time
                         t_j = t0 + i_i * BC + j
-                        b_krow = tl.load(k + t_j * (H * K) + o_s[None, :], mask=m_s[None, :] & (t_j < T),
-                                         other=0.0).to(tl.float32)
+                        # the row test as a block, not a scalar: Triton >= 3.7's interpreter
+                        # refuses a block & scalar mask ('mask has unsupported dtype')
+                        b_krow = tl.load(k + t_j * (H * K) + o_s[None, :],
+                                         mask=(m_s & (t_j + 0 * o_s < T))[None, :], other=0.0).to(tl.float32)
                         b_grow = tl.load(gam + t_j * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
                         b_kje = b_krow * tl.exp(tl.where(o_c[:, None] >= j, b_gi - b_grow, float("-inf")))
                         is_j = o_c[None, :] == j
