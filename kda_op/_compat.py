@@ -27,3 +27,27 @@ def cuobjdump_path() -> str:
     from triton import knobs
 
     return knobs.nvidia.cuobjdump.path
+
+
+def interpreter_numpy_problem() -> str | None:
+    """Why Triton's interpreter cannot run these kernels with the installed numpy,
+    or ``None`` when it can.
+
+    Triton 3.6's interpreter hands a kernel's scalar arguments over as 1-element
+    arrays and takes ``int()`` of them for a runtime loop bound (``range(T)``):
+    numpy 2.3 warns about that, numpy 2.4 refuses it ('only 0-dimensional arrays
+    can be converted to Python scalars'). Triton 3.9's interpreter does not.
+    There is no kernel-side form that avoids it, so the tests refuse to start on
+    that pair with this message instead of failing one by one.
+    """
+    import numpy
+    import triton
+
+    def major_minor(version: str) -> tuple[int, int]:
+        major, minor = version.split(".")[:2]
+        return int(major), int(minor)
+
+    if major_minor(triton.__version__) < (3, 7) and major_minor(numpy.__version__) >= (2, 4):
+        return (f"Triton {triton.__version__}'s interpreter needs numpy < 2.4 (installed: {numpy.__version__}); "
+                f"install numpy<2.4 or Triton >= 3.9 (pyproject.toml, .ci/envs/)")
+    return None

@@ -1,0 +1,64 @@
+"""kda_op._compat: the shims between the tested torch and Triton versions."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+triton = pytest.importorskip("triton")
+numpy = pytest.importorskip("numpy")
+
+from kda_op import _compat  # noqa: E402
+
+
+# Compiled in a subprocess: where there is no GPU, conftest sets TRITON_INTERPRET,
+# whose triton.jit cannot compile.
+_COMPILE_A_KERNEL = """
+import sys
+import triton, triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+@triton.jit
+def _copy(x, y, N: tl.constexpr):
+    o = tl.arange(0, N)
+    tl.store(y + o, tl.load(x + o))
+
+src = ASTSource(fn=_copy, signature={"x": "*fp32", "y": "*fp32", "N": "constexpr"}, constexprs={"N": 16})
+sys.stdout.write(triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"])
+"""
+
+
+def test_ptxas_accepts_the_ptx_of_this_triton(tmp_path):
+    """The ptxas that _compat names assembles what this Triton emits for sm_90a
+    (Triton 3.9's PTX 9.4 is refused by the CUDA 12.9 ptxas it also bundles)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    script = tmp_path / "compile_a_kernel.py"  # triton.jit reads the kernel's source file
+    script.write_text(_COMPILE_A_KERNEL)
+    compiled = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert compiled.returncode == 0, compiled.stderr[-3000:]
+    assert compiled.stdout.startswith("//") and ".target sm_90a" in compiled.stdout
+    path = _compat.ptxas_path(90)
+    assert os.access(path, os.X_OK), path
+    run = subprocess.run([path, "--gpu-name=sm_90a", "-", "-o", os.devnull], input=compiled.stdout,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    assert os.access(_compat.cuobjdump_path(), os.X_OK)
+
+
+@pytest.mark.parametrize("triton_version,numpy_version,refused", [
+    ("3.6.0", "2.3.5", False),
+    ("3.6.0", "2.4.6", True),
+    ("3.9.0", "2.4.6", False),
+    ("3.10.1", "2.5.0", False),
+])
+def test_interpreter_numpy_problem(monkeypatch, triton_version, numpy_version, refused):
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    problem = _compat.interpreter_numpy_problem()
+    assert (problem is not None) == refused
+    if refused:
+        assert triton_version in problem and numpy_version in problem
