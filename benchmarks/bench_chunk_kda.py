@@ -98,7 +98,7 @@ def main() -> int:
                         help="'ours' skips fla (no ratios), e.g. to time our kernels without fla's autotuning")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="also time ours under other launch settings (comma-separated NAME=VALUE of "
-                             "kda_op/triton_kernels/launch.py's upper-case settings, one string per variant)")
+                             "kda_op/triton_kernels/settings.py's upper-case settings, one string per variant)")
     args = parser.parse_args()
 
     from kda_op import chunk_kda as ours_chunk_kda
@@ -194,12 +194,12 @@ def setting_value(default, value: str):
 
 
 def setting_modules() -> dict:
-    """Every upper-case setting the benchmarks may change, by name: launch.py's, and
+    """Every upper-case setting the benchmarks may change, by name: settings.py's, and
     kda_op._contract's BF16_RESIDUALS (U and U' in bf16), BF16_CHUNK_STATES and BF16_AQK."""
     from kda_op import _contract
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
-    owners = {n: launch for n in dir(launch) if n.isupper()}
+    owners = {n: settings for n in dir(settings) if n.isupper()}
     owners["BF16_RESIDUALS"] = owners["BF16_CHUNK_STATES"] = owners["BF16_AQK"] = _contract
     return owners
 

@@ -11,7 +11,7 @@ device-to-device copy ceiling measured in the same process. Needs CUDA and fla.
     python benchmarks/bench_decode.py [--impl ours] [--out benchmarks/RESULTS_decode.md]
         [--settings "RECURRENT_BV=16" "RECURRENT_WARPS=2"] [--inplace-probe]
 
---settings: after the table, ours alone under other values of launch.py's
+--settings: after the table, ours alone under other values of settings.py's
 RECURRENT_* settings (comma-separated NAME=VALUE, one string per run), each
 checked against the defaults' output and final state.
 """
@@ -61,7 +61,7 @@ def main() -> int:
     parser.add_argument("--impl", choices=["both", "ours"], default="both")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--settings", nargs="*", default=[],
-                        help="launch.py RECURRENT_* settings to time ours under after the table")
+                        help="settings.py RECURRENT_* settings to time ours under after the table")
     parser.add_argument("--inplace-probe", action="store_true",
                         help="also time our kernel writing the final state over the initial one")
     args = parser.parse_args()
@@ -154,9 +154,9 @@ def time_inplace_probe(ceiling) -> None:
 def time_settings(ours, settings, ceiling) -> None:
     """Ours under other launch settings: eager and graph-replay medians, state
     TB/s, and the largest difference of o and the final state to the defaults."""
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings as S
 
-    defaults = {n: getattr(launch, n) for n in dir(launch) if n.startswith("RECURRENT_")}
+    defaults = {n: getattr(S, n) for n in dir(S) if n.startswith("RECURRENT_")}
     for B, HV, H in SHAPES:
         inputs = make_inputs(B, HV, H)
         state_bytes = 2 * B * HV * K * V * 4
@@ -164,12 +164,12 @@ def time_settings(ours, settings, ceiling) -> None:
             reference = [t.float().clone() for t in ours(*inputs)]
             for setting in settings:
                 for n, value in defaults.items():
-                    setattr(launch, n, value)
+                    setattr(S, n, value)
                 for item in filter(None, setting.split(",")):
                     n, value = item.split("=")
                     if n not in defaults:
-                        raise SystemExit(f"unknown setting {n!r}; launch.py has {sorted(defaults)}")
-                    setattr(launch, n, setting_value(defaults[n], value))
+                        raise SystemExit(f"unknown setting {n!r}; settings.py has {sorted(defaults)}")
+                    setattr(S, n, setting_value(defaults[n], value))
                 got = [t.float() for t in ours(*inputs)]
                 diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, reference))
                 eager = triton.testing.do_bench(lambda: ours(*inputs), warmup=50, rep=300, return_mode="median")
@@ -181,7 +181,7 @@ def time_settings(ours, settings, ceiling) -> None:
                       f"{state_bytes / (replay * 1e-3) / ceiling:.0%} of the copy ceiling, "
                       f"max rel diff to defaults {diff:.1e}", flush=True)
         for n, value in defaults.items():
-            setattr(launch, n, value)
+            setattr(S, n, value)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """Time each of our kernels (torch.profiler, CUDA time per forward+backward step)
-under other values of the launch settings in kda_op/triton_kernels/launch.py, on
+under other values of the settings in kda_op/triton_kernels/settings.py, on
 a standard shape (default B1-T8192-H16; bf16, K = V = 128), and check that every
 setting computes what the defaults do (relative difference of o, the final state
 and the six grads). Needs a CUDA GPU; no fla.
@@ -33,7 +33,7 @@ DEFAULT_SETTINGS = ["", "INTRA_GAM_KERNEL=0,BKA=16,INTRA_WU_BV=None", "BKA=16", 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
-                        help="comma-separated NAME=VALUE of launch.py's upper-case settings (and "
+                        help="comma-separated NAME=VALUE of settings.py's upper-case settings (and "
                              "BF16_RESIDUALS, BF16_CHUNK_STATES), one string per run")
     parser.add_argument("--shape", default=SHAPES[0][0], choices=[name for name, *_ in SHAPES],
                         help="which standard shape to time")

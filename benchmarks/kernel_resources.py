@@ -28,8 +28,9 @@ from kda_op.triton_kernels import gam_fwd, intra_a_fwd, intra_bwd, intra_bwd_a, 
 from kda_op import _contract
 from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
-from kda_op.triton_kernels import launch as L
-from kda_op.triton_kernels.launch import BC, BKD, BKD_A, BT, MAX_SPLIT, _sizes
+from kda_op.triton_kernels import settings as S
+from kda_op.triton_kernels._host import _dot_precision, _sizes, _steep_dot_precision
+from kda_op.triton_kernels.settings import BC, BKD, BKD_A, BT, MAX_SPLIT
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = ptxas_path(TARGET.arch)
@@ -42,10 +43,10 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
                 if p.default is not inspect.Parameter.empty}
     constexprs = {**{n: v for n, v in defaults.items() if n not in signature}, **constexprs}
     options = {"num_warps": num_warps, "num_stages": num_stages}
-    if fn.__name__ == "kda_intra_a_fwd_kernel" and L.INTRA_A_FWD_MAXNREG:
-        options["maxnreg"] = L.INTRA_A_FWD_MAXNREG
-    if fn.__name__ == "kda_recurrent_fwd_kernel" and L.RECURRENT_MAXNREG:
-        options["maxnreg"] = L.RECURRENT_MAXNREG
+    if fn.__name__ == "kda_intra_a_fwd_kernel" and S.INTRA_A_FWD_MAXNREG:
+        options["maxnreg"] = S.INTRA_A_FWD_MAXNREG
+    if fn.__name__ == "kda_recurrent_fwd_kernel" and S.RECURRENT_MAXNREG:
+        options["maxnreg"] = S.RECURRENT_MAXNREG
     return triton.compile(ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
                                     constexprs=constexprs),
                           target=TARGET, options=options)
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--head-dim", type=int, default=128, help="K = V")
     parser.add_argument("--scan-bv", type=int, default=None,
-                        help="the scans' V block (default: launch.py's at one sequence and head)")
+                        help="the scans' V block (default: the host code's at one sequence and head)")
     parser.add_argument("--sass", action="store_true",
                         help="static SASS instruction counts and loop-body lengths instead of resources")
     parser.add_argument("--only", default=None, help="only kernels whose name contains this")
@@ -120,13 +121,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="the chunk states in bf16 for bf16 inputs (kda_op._contract.BF16_CHUNK_STATES; "
                              "default: its value)")
     parser.add_argument("--set", nargs="*", default=[],
-                        help="launch.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
+                        help="settings.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
     args = parser.parse_args(argv)
     _contract.BF16_RESIDUALS = bool(args.bf16_residuals)
     _contract.BF16_CHUNK_STATES = bool(args.bf16_chunk_states)
     for item in args.set:
         name, value = item.split("=")
-        owner = L if hasattr(L, name) else _contract  # launch.py's, or _contract's (e.g. BF16_AQK)
+        owner = S if hasattr(S, name) else _contract  # settings.py's, or _contract's (e.g. BF16_AQK)
         if not name.isupper() or not hasattr(owner, name):
             raise SystemExit(f"unknown setting {name!r}")
         setattr(owner, name, None if value == "None" else int(value))  # None: e.g. INTRA_WU_BV
@@ -141,69 +142,69 @@ def main(argv: list[str] | None = None) -> int:
         s["BV_SCAN"] = s["BV_SCAN_FWD"] = args.scan_bv
     x = f"*{args.dtype}"
     f32 = "*fp32"
-    op = x if args.dtype == "bf16" else f32  # the scans' operand dtype (launch._operand_dtype)
+    op = x if args.dtype == "bf16" else f32  # the scans' operand dtype (_contract.scan_operand_dtype)
     names = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}
     res = names[residual_dtype(dtype)]
     cs = names[chunk_states_dtype(dtype, "cuda")]
     aq = names[aqk_dtype(dtype)]
-    prec, steep_prec = L._dot_precision(dtype), L._steep_dot_precision(dtype)  # as launch.py passes them
+    prec, steep_prec = _dot_precision(dtype), _steep_dot_precision(dtype)  # as the host code passes them
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     scale_type = args.scale_type
     common = dict(K=K, V=V, BT=BT)
     runs = [
-        (gam_fwd.kda_gam_fwd_kernel, dict(g=f32, gam=f32, **ints), dict(K=K, BT=BT, BKG=L.BKG), L.GAM_WARPS, 3),
+        (gam_fwd.kda_gam_fwd_kernel, dict(g=f32, gam=f32, **ints), dict(K=K, BT=BT, BKG=S.BKG), S.GAM_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
-         dict(K=K, BT=BT, BKA=L.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(L.INTRA_A_SPREAD_TILE),
-              GAM_IN=bool(L.INTRA_GAM_KERNEL)),
-         L.INTRA_A_FWD_WARPS, 3),
+         dict(K=K, BT=BT, BKA=S.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
+              GAM_IN=bool(S.INTRA_GAM_KERNEL)),
+         S.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
-         dict(K=K, BT=BT, BC=BC, BKS=L.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
+         dict(K=K, BT=BT, BC=BC, BKS=S.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         # as the forward that keeps its intermediates (and the backward's recompute)
         # launches it, then as one that keeps nothing
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
            dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
-           dict(common, BC=BC, BK=s["BK"], BV=L.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=L.TM_ROW_LOADS,
-                BF16_DOTS=L.WU_BF16_DOTS and args.dtype == "bf16"),
-           L.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else L.INTRA_WU_FWD_WARPS, 3)
+           dict(common, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
+                BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
+           S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
         (state_fwd.kda_state_fwd_kernel,
          dict(kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=cs, ht=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV_SCAN_FWD"], HAS_H0=True, DOT_PREC=prec,
-              BF16_DOTS=L.SCAN_BF16_DOTS and args.dtype == "bf16"),
-         L.SCAN_FWD_WARPS or L.SCAN_WARPS, s["SCAN_FWD_STAGES"]),
+              BF16_DOTS=S.SCAN_BF16_DOTS and args.dtype == "bf16"),
+         S.SCAN_FWD_WARPS or S.SCAN_WARPS, s["SCAN_FWD_STAGES"]),
         (output_fwd.kda_output_fwd_kernel,
          dict(qg=op, aqk=aq, up=res, chunk_states=cs, o=x, **ints),
-         dict(common, BK=s["BK"], BV=L.BV_OUTPUT or s["BV"], DOT_PREC=prec,
-              BF16_DOTS=L.OUTPUT_BF16_DOTS and args.dtype == "bf16"), L.OUTPUT_WARPS, 3),
+         dict(common, BK=s["BK"], BV=S.BV_OUTPUT or s["BV"], DOT_PREC=prec,
+              BF16_DOTS=S.OUTPUT_BF16_DOTS and args.dtype == "bf16"), S.OUTPUT_WARPS, 3),
         (state_bwd.kda_state_bwd_prep_kernel,
          dict(qg=op, w=op, u=res, aqk=aq, chunk_states=cs, do=x, up=res, dup=f32, dchunk_states=f32, **ints),
          dict(common, BK=s["BK"], BV=s["BV"], HAS_UP=True, DOT_PREC=prec), 8, 3),
         (state_bwd.kda_state_bwd_kernel,
          dict(kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=f32, dh0=f32, **ints),
-         dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), L.SCAN_WARPS, s["SCAN_STAGES"]),
+         dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), S.SCAN_WARPS, s["SCAN_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
          dict(q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=f32, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, scale="fp32", **ints),
-         dict(common, BKS=L.BKS, BV=s["BV"], DOT_PREC=prec), L.INTRA_BWD_W_WARPS, 1),
+         dict(common, BKS=S.BKS, BV=s["BV"], DOT_PREC=prec), S.INTRA_BWD_W_WARPS, 1),
         (intra_bwd.kda_intra_bwd_kernel,
          dict(v=x, beta=x, akk=f32, tm=f32, up=res, dup=f32, do=x, dtm_part=f32, dbeta_part=f32,
               dv=x, dbeta=x, dakk=f32, daqk=f32, **ints),
-         dict(V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, L.BKS), DOT_PREC=prec), L.INTRA_BWD_WARPS, 3),
+         dict(V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, S.BKS), DOT_PREC=prec), S.INTRA_BWD_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=f32, scale="fp32", **ints),
-         dict(K=K, BT=BT, BC=BC, BKD=BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), L.INTRA_BWD_A_WARPS, 3),
+         dict(K=K, BT=BT, BC=BC, BKD=BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), S.INTRA_BWD_A_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=f32, scale="fp32", **ints),
          dict(K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(q=x, k=x, v=x, g=f32, beta=x, h0=f32, o=x, ht=f32, scale="fp32", T="i32", H="i32", HV="i32"),
-         dict(K=K, V=V, BK=s["BK"], BV=L.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(L.RECURRENT_STREAM_HINTS),
-              INPUT_HINTS=bool(L.RECURRENT_INPUT_HINTS)),
-         L.RECURRENT_WARPS, 3),
+         dict(K=K, V=V, BK=s["BK"], BV=S.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
+              INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS)),
+         S.RECURRENT_WARPS, 3),
     ]
     print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))
     over = []

@@ -13,7 +13,7 @@
 #                                      # the AOTI tests alone, beside ours, its
 #                                      # variants and fla with kernels by GPU time
 #   CANDIDATES="A=1 B=2,C=3" bash benchmarks/run_gpu.sh candidates
-#                                      # a CUDA test subset, then launch settings
+#                                      # a CUDA test subset, then settings.py settings
 #                                      # timed alone (KERNELS_SHAPE, default B1)
 #                                      # and against fla
 # Everything textual goes to $OUT/log.txt; results files beside it (the device tool

@@ -148,8 +148,8 @@ def chunk_kda_fwd_export(
     """KDA forward on the chunked Triton kernels (CUDA, fp32/bf16/fp16 inputs, T >= 1):
     ``(o, final_state, chunk_states)`` as ``chunk_kda_fwd`` without the kept
     intermediates; host code that tracing can follow (see
-    ``kda_op.triton_kernels.launch.kda_fwd_triton_export``)."""
-    from .triton_kernels.launch import kda_fwd_triton_export
+    ``kda_op.triton_kernels.fwd.kda_fwd_triton_export``)."""
+    from .triton_kernels.fwd import kda_fwd_triton_export
 
     return kda_fwd_triton_export(q, k, v, g, beta, scale, initial_state)
 

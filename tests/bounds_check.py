@@ -1,11 +1,12 @@
 """A bounds checker for Triton kernels run by the interpreter (TRITON_INTERPRET=1).
 
 The GPU faults on an access outside every allocation; the interpreter, reading
-raw CPU addresses, may not. `install(monkeypatch)` makes every masked load and
-store of the interpreter check that the addresses it touches (where the mask is
-on) lie inside one tensor that the launcher allocated or that the test
-registered with `track`; a violation is recorded in `violations` and raised
-(IndexError, which the interpreter re-raises) instead of performed.
+raw CPU addresses, may not. `install(monkeypatch, *host_modules)` makes every
+masked load and store of the interpreter check that the addresses it touches
+(where the mask is on) lie inside one tensor that the launcher (the host modules
+given) allocated or that the test registered with `track`; a violation is
+recorded in `violations` and raised (IndexError, which the interpreter
+re-raises) instead of performed.
 """
 
 from __future__ import annotations
@@ -40,14 +41,14 @@ class BoundsChecker:
             # process's heap before the test could report it
             raise IndexError(f"out-of-bounds {kind}: bytes [{lo:#x}, {hi:#x}) lie in no tracked tensor")
 
-    def install(self, monkeypatch, launch_module) -> "BoundsChecker":
+    def install(self, monkeypatch, *host_modules) -> "BoundsChecker":
         import triton.runtime.interpreter as interpreter
 
         checker = self
         real = torch
 
         class TrackingTorch:
-            """launch.py's `torch`, recording what it allocates."""
+            """The host modules' `torch` (fwd.py, bwd.py, decode.py), recording what it allocates."""
 
             def __getattr__(self, name):
                 return getattr(real, name)
@@ -81,7 +82,8 @@ class BoundsChecker:
             checker.check(ptrs, mask, itemsize, "store")
             return store(self, ptrs, value, mask, *args)
 
-        monkeypatch.setattr(launch_module, "torch", TrackingTorch())
+        for module in host_modules:
+            monkeypatch.setattr(module, "torch", TrackingTorch())
         monkeypatch.setattr(builder, "create_masked_load", checked_load)
         monkeypatch.setattr(builder, "create_masked_store", checked_store)
         return self

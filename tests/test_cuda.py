@@ -90,7 +90,7 @@ def test_cuda_half_precision_matches_reference(dtype):
     for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), got, want):
         # Outputs and grads are rounded to bf16/fp16 (eps 2^-8 / 2^-11) and the
         # dots run in TF32 (2^-11), the output's in bf16 for bf16 inputs
-        # (launch.OUTPUT_BF16_DOTS): a relative error of 1e-2 is that rounding.
+        # (settings.OUTPUT_BF16_DOTS): a relative error of 1e-2 is that rounding.
         assert _rel_err(a, b) < 1e-2, (name, _rel_err(a, b))
 
 

@@ -29,7 +29,7 @@ _SCRIPT = textwrap.dedent(
 
     import kda_op
     from kda_op import chunk_kda
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
     H, G, K, V = 2, 2, 128, 128
     HV = H * G
@@ -87,14 +87,14 @@ _SCRIPT = textwrap.dedent(
         gm, _ = aot_export_module(ep.module(), sym_inputs, trace_joint=False)
     launches = [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
     names = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in launches]
-    gam_launch = ["kda_gam_fwd_kernel"] if launch.INTRA_GAM_KERNEL else []
+    gam_launch = ["kda_gam_fwd_kernel"] if settings.INTRA_GAM_KERNEL else []
     assert names == gam_launch + ["kda_intra_a_fwd_kernel", "kda_intra_a_fwd_steep_kernel", "kda_intra_wu_fwd_kernel",
                                   "kda_state_fwd_kernel", "kda_output_fwd_kernel"], names
     for n in launches:
         assert not isinstance(n.kwargs["kwargs"]["T"], int), "T was specialised"
     warps = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).configs[0].num_warps for n in launches]
-    assert warps == [launch.GAM_WARPS] * len(gam_launch) + [
-        launch.INTRA_A_FWD_WARPS, 4, launch.INTRA_WU_FWD_WARPS_BF16, launch.SCAN_WARPS, launch.OUTPUT_WARPS], warps
+    assert warps == [settings.GAM_WARPS] * len(gam_launch) + [
+        settings.INTRA_A_FWD_WARPS, 4, settings.INTRA_WU_FWD_WARPS_BF16, settings.SCAN_WARPS, settings.OUTPUT_WARPS], warps
     guards = sorted(str(g.expr) for g in env.guards)
     assert all("<=" in g for g in guards) and len(guards) == 2, guards
     print("ok")

@@ -117,17 +117,17 @@ def test_triton_recurrent_kernel_matches_reference(T, G, with_h0):
                     reason="no GPU and TRITON_INTERPRET is not set")
 @pytest.mark.parametrize("setting", ["RECURRENT_INPUT_HINTS", "RECURRENT_STREAM_HINTS"])
 def test_triton_recurrent_cache_hints_change_no_result(setting, monkeypatch):
-    """The recurrent kernel's cache-hint options (launch.py) give bitwise the
+    """The recurrent kernel's cache-hint options (settings.py) give bitwise the
     results of the defaults, with an initial state and a ragged V block."""
     pytest.importorskip("triton")
-    from kda_op.triton_kernels import kda_recurrent_fwd_triton, launch
+    from kda_op.triton_kernels import kda_recurrent_fwd_triton, settings
 
     inputs = make_inputs(B=2, T=3, H=2, G=2, K=24, V=40, dtype=torch.float32, seed=17)
     args = [inputs[n].to(DEVICE) for n in NAMES]
     h0 = inputs["initial_state"].to(DEVICE)
-    monkeypatch.setattr(launch, setting, 0)
+    monkeypatch.setattr(settings, setting, 0)
     want = kda_recurrent_fwd_triton(*args, None, h0)
-    monkeypatch.setattr(launch, setting, 1)
+    monkeypatch.setattr(settings, setting, 1)
     got = kda_recurrent_fwd_triton(*args, None, h0)
     for a, b in zip(got, want):
         assert torch.equal(a, b)

@@ -1,8 +1,9 @@
-"""Every kernel, as launch.py launches it, fits the H200's shared memory (227 KB per
-block), checked without a GPU: Triton compiles for sm_90a here
-(benchmarks/kernel_resources.py). Twice a launch setting that the interpreter
-ran fine asked for more than that and failed only on the GPU (the scans' stages:
-263 KB at first; 240 KB with three forward-scan stages of fp32 operands)."""
+"""Every kernel, as the host code (fwd.py, bwd.py, decode.py) launches it, fits the
+H200's shared memory (227 KB per block), checked without a GPU: Triton compiles for
+sm_90a here (benchmarks/kernel_resources.py). Twice a setting (settings.py) that
+the interpreter ran fine asked for more than that and failed only on the GPU (the
+scans' stages: 263 KB at first; 240 KB with three forward-scan stages of fp32
+operands)."""
 
 from __future__ import annotations
 

@@ -74,9 +74,9 @@ def _check_fwd_bwd(args, h0, with_dht, seed):
     HV, V = args[2].shape[2:]
     assert kept.dtype == torch.uint8
     assert kept.numel() == intermediates_layout(B, T, HV, K, V, args[0].dtype, "cuda")[1]
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
-    routed = T <= launch.RECURRENT_MAX_T  # the plain forward took the recurrent kernel
+    routed = T <= settings.RECURRENT_MAX_T  # the plain forward took the recurrent kernel
     for name, got, want in zip(("o", "final_state", "chunk_states"), kept_outputs, (o, ht, cs)):
         if routed:
             _rel_close(got, want, name)
@@ -114,7 +114,7 @@ def test_triton_explicit_scale_and_empty_sequence():
 
 
 def test_too_long_a_sequence_is_refused_not_wrapped():
-    from kda_op.triton_kernels.launch import _check_offsets
+    from kda_op.triton_kernels._host import _check_offsets
 
     _check_offsets(65536, 32, 128, 128)  # 2^28: served
     _check_offsets(8191 * 64, 32, 128, 128)  # padded extent 2^31 - 2^18: the longest served
@@ -137,7 +137,7 @@ def test_triton_every_path_of_the_intra_chunk_kernels(T_cut):
     spikes (32 rows: 96 > 60; 8 rows: 24 + 20 <= 60), and -9 (8 rows: 72 > 60).
     intra_a_fwd accumulates the A's of steep chunks too, which may overflow: they
     must be dropped, not stored."""
-    from kda_op.triton_kernels.launch import MAX_SPLIT
+    from kda_op.triton_kernels.settings import MAX_SPLIT
 
     B, T, H, G, K, V = 1, 3 * CHUNK_SIZE - T_cut, 1, 2, 16, 16
     C = CHUNK_SIZE
@@ -156,12 +156,12 @@ def test_triton_every_path_of_the_intra_chunk_kernels(T_cut):
 
 @pytest.mark.parametrize("T", [2 * CHUNK_SIZE + 7, CHUNK_SIZE + 40])  # 40: a block cut by T
 def test_triton_tm_row_loads(T, monkeypatch):
-    """intra_wu_fwd's other way to its forward substitution (launch.TM_ROW_LOADS =
+    """intra_wu_fwd's other way to its forward substitution (settings.TM_ROW_LOADS =
     0: the rows cut out of the blocks in registers) gives the reference's forward
     and backward too."""
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
-    monkeypatch.setattr(launch, "TM_ROW_LOADS", 0)
+    monkeypatch.setattr(settings, "TM_ROW_LOADS", 0)
     inputs = _inputs(1, T, 1, 2, 32, 16, True, seed=T)
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=4)
 
@@ -169,16 +169,16 @@ def test_triton_tm_row_loads(T, monkeypatch):
 
 def test_triton_scans_take_bigger_v_blocks_when_programs_overflow_a_wave(monkeypatch):
     """Where B * HV * (V blocks) programs would overflow one wave of SMs, the scans
-    double their V block (up to launch.BV_SCAN_MAX); forced here with one SM, at a
+    double their V block (up to settings.BV_SCAN_MAX); forced here with one SM, at a
     V that leaves a partial block, forward and backward still match the reference."""
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import _host, settings
 
-    monkeypatch.setattr(launch, "SCAN_SMS", 1)
+    monkeypatch.setattr(settings, "SCAN_SMS", 1)
     inputs = _inputs(1, CHUNK_SIZE + 5, 1, 2, 32, 80, True, seed=21)
-    assert launch._sizes(inputs["q"], inputs["v"])["BV_SCAN"] == launch.BV_SCAN_MAX == 64
+    assert _host._sizes(inputs["q"], inputs["v"])["BV_SCAN"] == settings.BV_SCAN_MAX == 64
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=22)
-    monkeypatch.setattr(launch, "SCAN_SMS", None)  # the device's (or the H200's) count: 2 heads fit
-    assert launch._sizes(inputs["q"], inputs["v"])["BV_SCAN"] == launch.BV_SCAN_FP32_OPERANDS
+    monkeypatch.setattr(settings, "SCAN_SMS", None)  # the device's (or the H200's) count: 2 heads fit
+    assert _host._sizes(inputs["q"], inputs["v"])["BV_SCAN"] == settings.BV_SCAN_FP32_OPERANDS
 
 @pytest.mark.parametrize("options,blocks", [
     ({"BV_SCAN_FWD": 32, "SCAN_FWD_WARPS": 4, "SCAN_FWD_STAGES": 3}, (32, 32)),
@@ -187,27 +187,27 @@ def test_triton_scans_take_bigger_v_blocks_when_programs_overflow_a_wave(monkeyp
     ({"SCAN_FWD_PER_SM": 2, "SCAN_SMS": 2}, (32, 64)),
 ])
 def test_triton_forward_scan_options(options, blocks, monkeypatch):
-    """The forward scan's own V block, warps, stages and programs per SM (launch.py)
+    """The forward scan's own V block, warps, stages and programs per SM (settings.py)
     give the reference's forward and backward, at a V that leaves a partial V
     block and a partial last chunk."""
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import _host, settings
 
     for name, value in options.items():
-        monkeypatch.setattr(launch, name, value)
+        monkeypatch.setattr(settings, name, value)
     inputs = _inputs(1, 2 * CHUNK_SIZE + 5, 1, 2, 48, 40, True, seed=31)
-    sizes = launch._sizes(inputs["q"], inputs["v"])
+    sizes = _host._sizes(inputs["q"], inputs["v"])
     assert (sizes["BV_SCAN_FWD"], sizes["BV_SCAN"]) == blocks, sizes
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=32)
 
 
 @pytest.mark.parametrize("wu_bv", [16, 64])
 def test_triton_intra_wu_v_block(wu_bv, monkeypatch):
-    """launch.INTRA_WU_BV (intra_wu_fwd's V block for U) gives the reference's
+    """settings.INTRA_WU_BV (intra_wu_fwd's V block for U) gives the reference's
     forward and backward, at a V that leaves a partial V block (16) or fits one
     block (64)."""
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
-    monkeypatch.setattr(launch, "INTRA_WU_BV", wu_bv)
+    monkeypatch.setattr(settings, "INTRA_WU_BV", wu_bv)
     inputs = _inputs(1, CHUNK_SIZE + 7, 1, 2, 32, 40, True, seed=51)
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=52)
 
@@ -225,15 +225,15 @@ def _with_steep_second_chunk(dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
-    """launch.INTRA_A_SPREAD_TILE (intra_a_fwd's steep test reduced once after its
+    """settings.INTRA_A_SPREAD_TILE (intra_a_fwd's steep test reduced once after its
     K loop) decides the same chunks steep: every output and kept intermediate
     bitwise equal, with a steep chunk and a partial one."""
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
     args, h0 = _with_steep_second_chunk(dtype, seed=41)
     results = []
     for tile in (0, 1):
-        monkeypatch.setattr(launch, "INTRA_A_SPREAD_TILE", tile)
+        monkeypatch.setattr(settings, "INTRA_A_SPREAD_TILE", tile)
         results.append(kda_fwd_triton(*args, None, h0, keep_intermediates=True))
     assert results[1][3].numel() > 0  # the intermediates were kept
     for per_slice, tiled in zip(*results):
@@ -242,21 +242,21 @@ def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_gam_kernel_changes_no_result(dtype, monkeypatch):
-    """launch.INTRA_GAM_KERNEL (gam = cumsum(g) in a launch of its own, read by
+    """settings.INTRA_GAM_KERNEL (gam = cumsum(g) in a launch of its own, read by
     intra_a_fwd): the forward's outputs and kept intermediates, and the grads from
     them and from the backward's recompute, as without it, with a steep chunk and
     a partial one, at a K that leaves a partial K block; bitwise under the
     interpreter (the same in-order sums), to rounding on the GPU."""
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
     args, h0 = _with_steep_second_chunk(dtype, seed=47)
     gen = torch.Generator().manual_seed(48)
     do = torch.randn(1, 2 * CHUNK_SIZE + 5, 2, 40, generator=gen).to(dtype).to(DEVICE)
     dht = torch.randn(1, 2, 48, 40, generator=gen).to(DEVICE)
-    monkeypatch.setattr(launch, "BKG", 32)  # K = 48: one whole and one partial K block
+    monkeypatch.setattr(settings, "BKG", 32)  # K = 48: one whole and one partial K block
     results = []
     for gam_kernel in (0, 1):
-        monkeypatch.setattr(launch, "INTRA_GAM_KERNEL", gam_kernel)
+        monkeypatch.setattr(settings, "INTRA_GAM_KERNEL", gam_kernel)
         o, ht, cs, kept = kda_fwd_triton(*args, None, h0, keep_intermediates=True)
         grads = kda_bwd_triton(*args, None, h0, cs, do, dht, intermediates=kept)
         grads_recomputed = kda_bwd_triton(*args, None, h0, cs, do, dht, intermediates=None)
@@ -285,9 +285,9 @@ def test_triton_kernels_stay_in_bounds(B, T, H, G, K, V, dtype, monkeypatch):
     intermediates and not) and backward (from them and recomputing), steep
     chunks included, lies inside the tensor it reads or writes."""
     from bounds_check import BoundsChecker
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import bwd, decode, fwd
 
-    checker = BoundsChecker().install(monkeypatch, launch)
+    checker = BoundsChecker().install(monkeypatch, fwd, bwd, decode)
     inputs = _inputs(B, T, H, G, K, V, True, seed=T + K)
     g = inputs["g"].clone()
     g[:, : min(T, CHUNK_SIZE)] -= 4.0  # a steep first chunk
@@ -382,15 +382,15 @@ BF16_DOT_SETTINGS = ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "WU_BF16_DOTS")
 def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
     """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'
     operand dtype); o and the grads come back in bf16. With TF32 dots, with bf16
-    operands in each group of dots that has the option (launch.*_BF16_DOTS), and
+    operands in each group of dots that has the option (settings.*_BF16_DOTS), and
     with U and U' in bf16 (_contract.BF16_RESIDUALS), with the chunk states in bf16
     (_contract.BF16_CHUNK_STATES), with A_qk in bf16 (_contract.BF16_AQK)."""
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
     from kda_op import _contract
 
     for name in BF16_DOT_SETTINGS:
-        monkeypatch.setattr(launch, name, int(name in bf16_dots))
+        monkeypatch.setattr(settings, name, int(name in bf16_dots))
     # U and U' kept in bf16 (the kept intermediates' layout changes with it); the
     # chunk states in bf16
     monkeypatch.setattr(_contract, "BF16_RESIDUALS", "BF16_RESIDUALS" in bf16_dots)
@@ -432,15 +432,15 @@ def test_triton_short_sequences_route_to_the_recurrent_kernel(T, with_h0, monkey
     """Up to RECURRENT_MAX_T tokens the chunked forward runs the recurrent kernel;
     both ways give the reference's o, final state and chunk states, and the
     backward takes either's chunk states."""
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
-    assert T <= launch.RECURRENT_MAX_T
+    assert T <= settings.RECURRENT_MAX_T
     inputs = _inputs(2, T, 1, 2, 16, 32, with_h0, seed=T + 100)
     args = [inputs[n] for n in NAMES]
     h0 = inputs["initial_state"]
     o_ref, ht_ref, cs_ref = kda_forward_reference(*args, None, h0)
     routed = kda_fwd_triton(*args, None, h0)
-    monkeypatch.setattr(launch, "RECURRENT_MAX_T", 0)
+    monkeypatch.setattr(settings, "RECURRENT_MAX_T", 0)
     chunked = kda_fwd_triton(*args, None, h0)
     for got in (routed, chunked):
         _rel_close(got[0], o_ref, "o")
@@ -460,7 +460,7 @@ def test_triton_export_op_matches_the_forward_and_the_reference(T, with_h0):
     results where that is chunked too, the reference's within fp32 tolerances, and
     grads (through chunk_kda_bwd) equal to the reference's."""
     import kda_op  # noqa: F401  (registers the ops)
-    from kda_op.triton_kernels import launch
+    from kda_op.triton_kernels import settings
 
     inputs = _inputs(1, T, 1, 2, 32, 20, with_h0, seed=T)
     args = [inputs[n] for n in NAMES]
@@ -470,7 +470,7 @@ def test_triton_export_op_matches_the_forward_and_the_reference(T, with_h0):
     _rel_close(o, o_ref, "o")
     _rel_close(ht, ht_ref, "final_state")
     _rel_close(cs, cs_ref, "chunk_states")
-    if T > launch.RECURRENT_MAX_T:
+    if T > settings.RECURRENT_MAX_T:
         o2, ht2, cs2, _ = kda_fwd_triton(*args, None, h0)
         assert torch.equal(o, o2) and torch.equal(ht, ht2) and torch.equal(cs, cs2)
 

@@ -1,7 +1,7 @@
 """Triton (CUDA) kernels of the KDA ops, one module per stage of the chunked form
 (DESIGN.md section 2; chunks of CHUNK_SIZE = 64 tokens, sub-blocks of 16):
 
-forward   gam_fwd.py     gam = cumsum(g) per chunk (launch.INTRA_GAM_KERNEL)
+forward   gam_fwd.py     gam = cumsum(g) per chunk (settings.INTRA_GAM_KERNEL)
           intra_a_fwd.py  (gam where gam_fwd.py is off) A_kk, A_qk, Qg, Kr (a separate
                          launch for steep chunks)
           intra_wu_fwd.py Tm = (I + diag(beta) A_kk)^-1, W, U
@@ -16,10 +16,16 @@ backward  intra_a_fwd.py, intra_wu_fwd.py  recomputed, keeping Tm, unless the
           gva_reduce.py  dq, dk summed from the value heads to the key heads
 decode    recurrent_fwd.py  token by token, the state held on chip (fused_recurrent_kda)
 shared    _indexing.py   program index -> batch, heads, sequence start
-host      launch.py      allocation and launches (kda_fwd_triton, kda_bwd_triton,
-                         kda_recurrent_fwd_triton)
+host      fwd.py         allocation and launches of the chunked forward (kda_fwd_triton,
+                         kda_fwd_triton_export)
+          bwd.py         ... of the chunked backward (kda_bwd_triton)
+          decode.py      ... of the recurrent kernel (kda_recurrent_fwd_triton)
+          _host.py       helpers they share: block sizes, checks, intermediates layout
+          settings.py    the tuning settings (warps, blocks, options), read at every call
 """
 
-from .launch import kda_bwd_triton, kda_fwd_triton, kda_recurrent_fwd_triton
+from .bwd import kda_bwd_triton
+from .decode import kda_recurrent_fwd_triton
+from .fwd import kda_fwd_triton
 
 __all__ = ["kda_fwd_triton", "kda_bwd_triton", "kda_recurrent_fwd_triton"]

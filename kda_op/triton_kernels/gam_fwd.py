@@ -1,4 +1,4 @@
-"""Stage 1 (the first launch unless launch.INTRA_GAM_KERNEL is 0): gam = cumsum(g) in each chunk.
+"""Stage 1 (the first launch unless settings.INTRA_GAM_KERNEL is 0): gam = cumsum(g) in each chunk.
 
 One program per (chunk, batch * value head, K block of BKG). It writes the padded
 gam buffer [B, NC*BT, HV, K] (rows past T load g = 0, so they repeat the last
@@ -27,7 +27,7 @@ def kda_gam_fwd_kernel(
     i_k = tl.program_id(2)
     i_b, i_hv, _, bos = sequence_and_heads(i_bh, T, H, HV)
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     g += (bos * HV + i_hv) * K
     gam += (i_b * NC * BT * HV + i_hv) * K
     o_t = i_c * BT + tl.arange(0, BT)

@@ -52,7 +52,7 @@ def kda_intra_a_fwd_kernel(
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = False,
     GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
-    # GAM_IN: gam was written by gam_fwd.py (launch.INTRA_GAM_KERNEL): read here,
+    # GAM_IN: gam was written by gam_fwd.py (settings.INTRA_GAM_KERNEL): read here,
     # with its middle and last rows as vector loads, and not stored again.
     # One pass over K slices: the A's are accumulated as if the chunk were not
     # steep (its middle row is in every slice) and dropped if it is, so gam, Q and
@@ -66,7 +66,7 @@ def kda_intra_a_fwd_kernel(
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
     bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     g += (bos * HV + i_hv) * K

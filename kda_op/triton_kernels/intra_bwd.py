@@ -28,7 +28,7 @@ def kda_intra_bwd_kernel(
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     v += (bos * HV + i_hv) * V
     up += (bos * HV + i_hv) * V
     dup += (bos * HV + i_hv) * V

@@ -33,7 +33,7 @@ def kda_intra_wu_fwd_kernel(
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
     bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     k += (bos * H + i_h) * K
     v += (bos * HV + i_hv) * V
     u += (bos * HV + i_hv) * V

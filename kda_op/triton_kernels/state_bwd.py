@@ -41,7 +41,7 @@ def kda_state_bwd_prep_kernel(
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     qg += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     u += (bos * HV + i_hv) * V
@@ -95,7 +95,7 @@ def kda_state_bwd_kernel(
     i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
     bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (launch.py checks T * HV * max(K, V, BT) < 2^31).
+    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     kr += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     dup += (bos * HV + i_hv) * V

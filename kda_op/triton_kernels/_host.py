@@ -1,0 +1,158 @@
+"""Host helpers shared by the forward (fwd.py), the backward (bwd.py) and
+decoding (decode.py): dot precisions, the offset and grid checks, block sizes
+(_sizes), the kernel wrapper for traced host code, and the layout of the kept
+intermediates. Tuning settings are read from settings.py at every call.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from .._contract import intermediates_layout, scan_operand_dtype
+from . import settings as S
+from .settings import BT
+
+
+# Under Triton's interpreter (CPU CI) bf16 dots are emulated (_dot.py).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # fp32 inputs: 3xTF32 keeps products at about fp32 accuracy on the tensor
+    # cores. bf16/fp16 inputs: plain TF32 (10-bit mantissa) is already finer than
+    # the inputs and outputs.
+    return "tf32x3" if dtype == torch.float32 else "tf32"
+
+
+def _steep_dot_precision(dtype: torch.dtype) -> str:
+    return S.STEEP_DOT_PREC_FP32 if dtype == torch.float32 else _dot_precision(dtype)
+
+
+def _check_offsets(T: int, HV: int, K: int, V: int) -> None:
+    """The kernels index inside one sequence with 32-bit offsets (up to
+    T_padded * HV * max(K, V, BT)); across sequences and chunk states with 64-bit
+    ones. Refuse, rather than wrap around, past that. Written as a bound on T
+    alone, so that under torch.export (the export op) it is a plain range of the
+    sequence length."""
+    max_t = (2**31 - 1) // (BT * HV * max(K, V, BT)) * BT
+    if not T <= max_t:
+        raise ValueError(
+            f"one sequence is too long for the CUDA kernels: T = {T} > {max_t} at HV={HV}, K={K}, V={V} "
+            f"(T * HV * max(K, V, {BT}) must stay below 2^31); split the sequence, carrying the state"
+        )
+
+
+def _check_grid(B: int, HV: int, T: Optional[int]) -> None:
+    """Refuse, with what to do, a launch whose grid the GPU would reject (T: None
+    for the recurrent kernel, whose grid does not count chunks). Bounds on B and T
+    alone, as in _check_offsets."""
+    if not B <= S.MAX_GRID_YZ // HV:
+        raise ValueError(
+            f"B * HV = {B} * {HV} exceeds {S.MAX_GRID_YZ}, the CUDA kernels' limit on "
+            f"sequences times value heads per call; split the batch"
+        )
+    if T is not None and not T <= S.MAX_GRID_YZ * BT:
+        raise ValueError(
+            f"T = {T} is more than {S.MAX_GRID_YZ} chunks of {BT}; split the sequence, carrying the state"
+        )
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    # The interpreter (CPU tensors), or fake CUDA tensors traced on a machine
+    # without CUDA: the H200's, so that CPU CI takes the H200's choices.
+    return 132
+
+
+def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int, per_sm: int = 1) -> int:
+    """The scans' V block: from ``bv_min``, doubled while the programs
+    (B * HV * V blocks) overflow one wave (``per_sm`` programs on each SM) and a
+    bigger block still splits V."""
+    wave = (S.SCAN_SMS or _sm_count(device)) * per_sm
+    bv = bv_min
+    while bv < min(S.BV_SCAN_MAX, triton.next_power_of_2(V)) and B * HV * triton.cdiv(V, bv) > wave:
+        bv *= 2
+    return bv
+
+
+def _kernel(fn, traced: bool):
+    """``fn``, or for host code that torch.export and inductor trace into (the
+    export op), ``fn`` wrapped so the launch is captured as a graph node. Outside
+    tracing the wrapped kernel launches as it is."""
+    if traced:
+        from torch.library import wrap_triton
+
+        return wrap_triton(fn)
+    return fn
+
+
+def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None) -> dict:
+    """Sizes and block shapes of one call. ``scan_batch`` stands in for B when the
+    scans' V block is chosen (the export op: no branch on a batch size that stays
+    symbolic)."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _check_offsets(T, HV, K, V)
+    _check_grid(B, HV, T)
+    # Blocks of at least 32: a wrong dk was seen on the H200 with K = 32, V = 16
+    # (BV = 16) that the interpreter computed right; cause not established.
+    BK = max(32, triton.next_power_of_2(K))
+    bf16_operands = scan_operand_dtype(q.dtype) == torch.bfloat16  # the *_BF16_DOTS options apply
+    scan_b = B if scan_batch is None else scan_batch
+    bv_scan_min = S.BV_SCAN if bf16_operands else S.BV_SCAN_FP32_OPERANDS
+    return dict(
+        B=B, T=T, H=H, K=K, HV=HV, V=V,
+        NC=triton.cdiv(T, BT),
+        BK=BK,
+        BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
+        BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
+        BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_FWD or 0, bv_scan_min), S.SCAN_FWD_PER_SM),
+        SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else 1,
+        # three stages of fp32 W and Kr (fp32 and fp16 inputs) need 240 KB of shared
+        # memory at BK = 128, BV = 32: more than the H200's 227
+        SCAN_FWD_STAGES=((S.SCAN_FWD_STAGES or S.SCAN_STAGES) if bf16_operands else S.SCAN_STAGES) if BK <= 128 else 1,
+        SCAN_BF16_DOTS=bf16_operands and bool(S.SCAN_BF16_DOTS),
+        OUTPUT_BF16_DOTS=bf16_operands and bool(S.OUTPUT_BF16_DOTS),
+        WU_BF16_DOTS=bf16_operands and bool(S.WU_BF16_DOTS),
+    )
+
+
+# The layout these kernels keep: that of the CUDA device, also when the Triton
+# interpreter runs them on CPU tensors (tests).
+_SERVES = "cuda"
+
+
+def _layout(q: Tensor, v: Tensor) -> tuple[list, int]:
+    """``kda_op._contract.intermediates_layout`` for these inputs."""
+    B, T, _, K = q.shape
+    return intermediates_layout(B, T, v.shape[2], K, v.shape[3], q.dtype, _SERVES)
+
+
+def _intermediates_views(buffer: Tensor, layout: list) -> dict:
+    """The named tensors inside the flat uint8 buffer of kept intermediates."""
+    views = {}
+    for name, shape, dtype, offset in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        views[name] = buffer[offset:offset + nbytes].view(dtype).view(shape)
+    return views
+
+
+def _zero_alignment_gaps(buffer: Tensor, layout: list, total: int) -> None:
+    """Zero the bytes between (and after) the pieces of the kept-intermediates
+    buffer, which no kernel writes: the buffer is an op output, so every byte must
+    follow from the inputs (opcheck compares eager and traced runs bitwise). At
+    most one small fill per piece, none where sizes are multiples of 256 bytes."""
+    starts = [offset for *_, offset in layout[1:]] + [total]
+    for (_, shape, dtype, offset), next_start in zip(layout, starts):
+        end = offset + math.prod(shape) * dtype.itemsize
+        if end < next_start:
+            buffer[end:next_start].zero_()

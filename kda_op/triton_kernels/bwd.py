@@ -1,0 +1,135 @@
+"""Host side of the chunked backward: allocation, block sizes and launches.
+
+``kda_bwd_triton`` takes and returns what the op ``kda_op::chunk_kda_bwd`` does.
+It runs on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how CPU
+CI tests the kernels). No host synchronisation, so it can be captured in a CUDA
+graph. Tuning settings are read from settings.py at every call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from torch.profiler import record_function
+
+from .._contract import residual_dtype
+from . import settings as S
+from ._host import _INTERPRET, _dot_precision, _intermediates_views, _layout, _sizes, _steep_dot_precision
+from .fwd import _intra_fwd
+from .gva_reduce import kda_gva_reduce_kernel
+from .intra_bwd import kda_intra_bwd_kernel
+from .intra_bwd_a import kda_intra_bwd_a_kernel
+from .intra_bwd_w import kda_intra_bwd_w_kernel
+from .settings import BC, BT, MAX_SPLIT
+from .state_bwd import kda_state_bwd_kernel, kda_state_bwd_prep_kernel
+
+
+def kda_bwd_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    scale: Optional[float], initial_state: Optional[Tensor],
+    chunk_states: Tensor, do: Tensor, dht: Optional[Tensor],
+    intermediates: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Chunked backward: ``(dq, dk, dv, dg, dbeta, dh0)`` as ``chunk_kda_bwd``.
+
+    Takes the intra-chunk quantities from ``intermediates`` (the forward's, when
+    it kept them) or recomputes them, then runs the reverse scan and the
+    intra-chunk backward. Per-token memory is O(T * (K + V + C));
+    states are kept only per chunk.
+    """
+    q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
+    chunk_states = chunk_states.contiguous()
+    s = _sizes(q, v)
+    B, T, H, HV, K, V, NC = s["B"], s["T"], s["H"], s["HV"], s["K"], s["V"], s["NC"]
+    G = HV // H
+    scale = K**-0.5 if scale is None else float(scale)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    dh0_dtype = torch.float32 if initial_state is None else initial_state.dtype
+
+    if B * HV == 0 or NC == 0:
+        dh0 = (torch.zeros(B, HV, K, V, **f32) if dht is None else dht.to(torch.float32).clone())
+        return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
+                torch.zeros_like(beta), dh0.to(dh0_dtype))
+
+    prec = _dot_precision(q.dtype)
+    if intermediates is not None and intermediates.numel() > 0:
+        x = _intermediates_views(intermediates, _layout(q, v)[0])
+    else:
+        with record_function("kda_op::bwd::intra_recompute"):
+            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
+    gam, akk, aqk, tm, steep = x["gam"], x["akk"], x["aqk"], x["tm"], x["steep"]
+
+    # U' = U - W S0: the forward's own when it kept its intermediates, else made
+    # by the prep kernel below
+    up = x["up"] if "up" in x else torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
+    dup = torch.empty(B, T, HV, V, **f32)
+    dchunk_states = torch.empty(B, NC, HV, K, V, **f32)
+    dh0 = torch.empty(B, HV, K, V, **f32)
+    dht_arg = dht.contiguous() if dht is not None else dh0
+    with record_function("kda_op::bwd::state_scan"):
+        kda_state_bwd_prep_kernel[(triton.cdiv(V, s["BV"]), NC, B * HV)](
+            x["qg"], x["w"], x["u"], aqk, chunk_states, do,
+            up, dup, dchunk_states,
+            T, NC,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
+            HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, num_warps=8,
+        )
+        kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
+            x["kr"], x["w"], gam, dht_arg,
+            dup, dchunk_states, dh0,
+            T, NC,
+            H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
+            HAS_DHT=dht is not None, DOT_PREC=prec,
+            num_warps=S.SCAN_WARPS, num_stages=s["SCAN_STAGES"],
+        )
+
+    dq_e = torch.empty(B, T, HV, K, **f32)
+    dk_e = torch.empty(B, T, HV, K, **f32)
+    dgam = torch.empty(B, T, HV, K, **f32)
+    dgam_last = torch.empty(B, NC, HV, K, **f32)
+    dakk = torch.empty(B, T, HV, BT, **f32)
+    daqk = torch.empty(B, T, HV, BT, **f32)
+    dv = torch.empty_like(v)
+    dg = torch.empty_like(g)
+    dbeta = torch.empty_like(beta)
+    NS = triton.cdiv(K, S.BKS)
+    dtm_part = torch.empty(B, NC, HV, NS, BT, BT, **f32)
+    dbeta_part = torch.empty(B, NC, HV, NS, BT, **f32)
+    with record_function("kda_op::bwd::intra_through_w"):
+        kda_intra_bwd_w_kernel[(NS, NC, B * HV)](
+            q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
+            dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
+            scale, T, NC,
+            H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS, BV=s["BV"],
+            # one stage: its V loop is short, and prefetching it cost spills at 4 warps
+            DOT_PREC=prec, num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
+        )
+    with record_function("kda_op::bwd::intra"):
+        kda_intra_bwd_kernel[(NC, B * HV)](
+            v, beta, akk, tm, up, dup, do, dtm_part, dbeta_part,
+            dv, dbeta, dakk, daqk,
+            T, NC,
+            H=H, HV=HV, V=V, BT=BT, BV=s["BV"], NS=NS,
+            DOT_PREC=prec, num_warps=S.INTRA_BWD_WARPS,
+        )
+    with record_function("kda_op::bwd::intra_through_a"):
+        common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
+        args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, scale, T, NC)
+        kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD_A), NC, B * HV)](
+            *args, **common, BKD=S.BKD_A, STEEP=False, num_warps=S.INTRA_BWD_A_WARPS,
+        )
+        kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD), NC, B * HV)](
+            *args, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))), BKD=S.BKD, STEEP=True, num_warps=4,
+        )
+    with record_function("kda_op::bwd::gva_reduce"):
+        # GVA: sum the G value heads of each key head, scale dq, cast: one pass.
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+        R = B * T * H
+        kda_gva_reduce_kernel[(triton.cdiv(R, S.GVA_ROWS),)](
+            dq_e, dk_e, dq, dk, scale, R, G=G, K=K, BR=S.GVA_ROWS, BK=triton.next_power_of_2(K), num_warps=4,
+        )
+    return dq, dk, dv, dg, dbeta, dh0.to(dh0_dtype)

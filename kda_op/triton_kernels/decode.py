@@ -1,0 +1,58 @@
+"""Host side of decoding: ``kda_recurrent_fwd_triton``, the token-by-token
+forward (recurrent_fwd.py) as ``kda_op::fused_recurrent_kda_fwd`` takes and
+returns it; the chunked forward (fwd.py) also routes short sequences to it.
+Tuning settings (RECURRENT_*) are read from settings.py at every call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+
+from . import settings as S
+from ._host import _check_grid, _check_offsets
+from .recurrent_fwd import kda_recurrent_fwd_kernel
+
+
+def kda_recurrent_fwd_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    scale: Optional[float], initial_state: Optional[Tensor],
+    final_state_out: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
+    """Token-by-token forward for decoding: ``(o, final_state)`` as
+    ``fused_recurrent_kda_fwd``. ``final_state_out`` (internal, not reachable from
+    the ops): a contiguous fp32 ``[B, HV, K, V]`` tensor to write the final state
+    into, which may be ``initial_state`` itself (each program reads its state tile
+    whole before it writes it back); the benchmark times the in-place update
+    with it."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _check_offsets(T, HV, K, V)
+    _check_grid(B, HV, None)
+    scale = K**-0.5 if scale is None else float(scale)
+    h0 = None if initial_state is None else initial_state.contiguous()
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    if final_state_out is None:
+        ht = torch.empty(B, HV, K, V, device=q.device, dtype=torch.float32)
+    else:
+        if (final_state_out.shape != (B, HV, K, V) or final_state_out.dtype != torch.float32
+                or not final_state_out.is_contiguous()):
+            raise ValueError(f"final_state_out: expected a contiguous fp32 tensor of shape {(B, HV, K, V)}, "
+                             f"got {final_state_out.dtype} {tuple(final_state_out.shape)}")
+        ht = final_state_out
+    if B * HV == 0:
+        return o, ht
+    BK = max(16, triton.next_power_of_2(K))
+    # Small V blocks: more programs in flight to hide the state's memory traffic.
+    BV = min(S.RECURRENT_BV, max(16, triton.next_power_of_2(V)))
+    kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
+        q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, scale, T, H, HV,
+        K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
+        INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS),
+        num_warps=S.RECURRENT_WARPS, **({} if S.RECURRENT_MAXNREG is None else dict(maxnreg=S.RECURRENT_MAXNREG)),
+    )
+    return o, ht

@@ -1,0 +1,185 @@
+"""Host side of the chunked forward: allocation, block sizes and launches.
+
+``kda_fwd_triton`` takes and returns what the op ``kda_op::chunk_kda_fwd`` does;
+``kda_fwd_triton_export`` is the body of ``kda_op::chunk_kda_fwd_export``. They
+run on CUDA tensors, and on CPU tensors under ``TRITON_INTERPRET=1`` (how CPU CI
+tests the kernels). No host synchronisation, so they can be captured in a CUDA
+graph. Tuning settings are read from settings.py at every call.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+from torch import Tensor
+from torch.profiler import record_function
+
+from .._contract import aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
+from . import settings as S
+from ._host import (_INTERPRET, _SERVES, _dot_precision, _intermediates_views, _kernel, _layout, _sizes,
+                    _steep_dot_precision, _zero_alignment_gaps)
+from .decode import kda_recurrent_fwd_triton
+from .gam_fwd import kda_gam_fwd_kernel
+from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
+from .intra_wu_fwd import kda_intra_wu_fwd_kernel
+from .output_fwd import kda_output_fwd_kernel
+from .settings import BC, BT, MAX_SPLIT
+from .state_fwd import kda_state_fwd_kernel
+
+
+def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] = None, traced: bool = False):
+    """Stage 1 of the forward (and of the backward's recompute): gam, the A's, Tm
+    (when ``store_tm``), W, U, Qg, Kr and the steep flags, into the tensors of
+    ``out`` where given (views of the kept intermediates), else fresh ones."""
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    f32 = dict(device=q.device, dtype=torch.float32)
+    prec = _dot_precision(q.dtype)
+    if out is None:
+        operand = dict(device=q.device, dtype=scan_operand_dtype(q.dtype))
+        out = dict(
+            gam=torch.empty(B, NC * BT, HV, K, **f32),
+            akk=torch.empty(B, T, HV, BT, **f32),
+            aqk=torch.empty(B, T, HV, BT, device=q.device, dtype=aqk_dtype(q.dtype)),
+            # Traced: flat with one spare entry, so that no dimension of it is NC,
+            # whose contiguity check would guard NC != 1 (i.e. T > 64).
+            steep=(torch.empty(B * NC * HV + 1, device=q.device, dtype=torch.int32) if traced
+                   else torch.empty(B, NC, HV, device=q.device, dtype=torch.int32)),
+            qg=torch.empty(B, T, HV, K, **operand),
+            kr=torch.empty(B, T, HV, K, **operand),
+            w=torch.empty(B, T, HV, K, **operand),
+            u=torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype)),
+            tm=torch.empty(B, T, HV, BT, **f32) if store_tm else None,
+        )
+    gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
+    tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
+    common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
+    regs = dict(maxnreg=S.INTRA_A_FWD_MAXNREG) if S.INTRA_A_FWD_MAXNREG else {}
+    gam_kernel = bool(S.INTRA_GAM_KERNEL)
+    if gam_kernel:
+        _kernel(kda_gam_fwd_kernel, traced)[(NC, B * HV, triton.cdiv(K, S.BKG))](
+            g, gam, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BKG=S.BKG, num_warps=S.GAM_WARPS,
+        )
+    _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
+        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=S.BKA, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
+        GAM_IN=gam_kernel, INTERPRET=_INTERPRET, num_warps=S.INTRA_A_FWD_WARPS, **regs,
+    )
+    _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
+        q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
+        BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, num_warps=4,
+    )
+    _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
+        k, v, beta, gam, akk, w, u, tm, T, NC,
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"],
+        STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
+        BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET,
+        num_warps=S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS,
+    )
+    return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
+
+
+def kda_fwd_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    scale: Optional[float], initial_state: Optional[Tensor],
+    keep_intermediates: bool = False,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Chunked forward: ``(o, final_state, chunk_states, intermediates)`` as
+    ``chunk_kda_fwd``. ``intermediates`` is the flat uint8 buffer of
+    ``kda_op._contract.intermediates_layout`` when ``keep_intermediates``, else
+    empty; with it the backward skips recomputing the intra-chunk stage."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    s = _sizes(q, v)
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    scale = K**-0.5 if scale is None else float(scale)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    h0 = None if initial_state is None else initial_state.contiguous()
+
+    layout, nbytes = _layout(q, v) if keep_intermediates else ([], 0)
+    intermediates = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
+    if keep_intermediates:
+        _zero_alignment_gaps(intermediates, layout, nbytes)
+    chunk_states = torch.empty(B, NC + 1, HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    # Short sequences: one token-by-token launch, unless the backward wants the
+    # chunked intermediates.
+    if 0 < T <= S.RECURRENT_MAX_T and not keep_intermediates:
+        with record_function("kda_op::fwd::recurrent"):
+            o, ht = kda_recurrent_fwd_triton(q, k, v, g, beta, scale, h0)
+        if h0 is None:
+            chunk_states[:, 0].zero_()
+        else:
+            chunk_states[:, 0].copy_(h0)
+        chunk_states[:, 1].copy_(ht)
+        return o, ht, chunk_states, intermediates
+    ht = torch.empty(B, HV, K, V, **f32)
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    if B * HV == 0:
+        return o, ht, chunk_states, intermediates
+    prec = _dot_precision(q.dtype)
+    if NC > 0:
+        with record_function("kda_op::fwd::intra"):
+            kept = _intermediates_views(intermediates, layout) if keep_intermediates else None
+            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept)
+    else:  # T == 0: the scan only copies the initial state through
+        x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
+    up = kept["up"] if keep_intermediates and NC > 0 else torch.empty(B, T, HV, V, device=q.device,
+                                                                        dtype=residual_dtype(q.dtype))
+    with record_function("kda_op::fwd::state_scan"):
+        _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=False)
+    if NC > 0:
+        with record_function("kda_op::fwd::output"):
+            _output_fwd(x, up, chunk_states, o, s, prec, traced=False)
+    return o, ht, chunk_states, intermediates
+
+
+def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Tensor, ht: Tensor,
+                    s: dict, prec: str, traced: bool) -> None:
+    """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht."""
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN_FWD"]), B * HV)](
+        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
+        HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
+        num_warps=S.SCAN_FWD_WARPS or S.SCAN_WARPS, num_stages=s["SCAN_FWD_STAGES"],
+    )
+
+
+def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, prec: str, traced: bool) -> None:
+    """Stage 3: the output (output_fwd.py) into o."""
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    bv_out = S.BV_OUTPUT or s["BV"]
+    _kernel(kda_output_fwd_kernel, traced)[(triton.cdiv(V, bv_out), NC, B * HV)](
+        x["qg"], x["aqk"], up, chunk_states, o, T, NC,
+        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
+        DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, num_warps=S.OUTPUT_WARPS,
+    )
+
+
+def kda_fwd_triton_export(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    scale: Optional[float], initial_state: Optional[Tensor],
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The chunked forward as host code that torch.export and inductor can trace
+    (the body of ``kda_op::chunk_kda_fwd_export``): ``(o, final_state,
+    chunk_states)``. Every launch goes through ``wrap_triton`` and nothing branches
+    on a size that may stay symbolic: always the chunked kernels (no recurrent
+    routing of short sequences), the scans' V block chosen for one sequence, no
+    profiler ranges, nothing kept for the backward. Needs T >= 1 and B * HV >= 1.
+    The same kernels with the same settings as ``kda_fwd_triton`` (up to the scans'
+    V block), so the same numbers."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    s = _sizes(q, v, scan_batch=1)
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    scale = K**-0.5 if scale is None else float(scale)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    h0 = None if initial_state is None else initial_state.contiguous()
+    prec = _dot_precision(q.dtype)
+
+    chunk_states = torch.empty(B, NC + 1, HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    ht = torch.empty(B, HV, K, V, **f32)
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True)
+    up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
+    _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=True)
+    _output_fwd(x, up, chunk_states, o, s, prec, traced=True)
+    return o, ht, chunk_states

@@ -1,0 +1,189 @@
+"""Tuning settings and fixed constants of the Triton kernels' host code.
+
+The upper-case tuning settings (warps, block sizes, stages, the bf16-dot and
+cache-hint options, RECURRENT_*) are module-level so that benchmarks
+(benchmarks/bench_kernels.py, bench_chunk_kda.py --variants, bench_decode.py
+--settings, kernel_resources.py --set) and tests can try other values. The host
+code (fwd.py, bwd.py, decode.py, _host.py) reads them through this module at
+every call, so ``settings.NAME = value`` takes effect at the next call. BT, BC,
+MAX_SPLIT, MAX_GRID_YZ and STEEP_DOT_PREC_FP32 are fixed constants, not tuning
+settings.
+"""
+
+from .._contract import CHUNK_SIZE
+
+BT = CHUNK_SIZE  # chunk length of the kernels = the chunk length of the saved states
+BC = 16  # sub-block length inside a chunk, on its steep path (intra_a_fwd.py)
+# A chunk is split at its middle row when exp(+-(gam_i - gam_mid)) stays within
+# exp(60) (fp32 overflows past exp(88)); steeper chunks take the sub-block path.
+MAX_SPLIT = 60.0
+# Warps per program of the intra-chunk kernels. These and the other upper-case
+# settings here are module-level so that benchmarks/bench_kernels.py can time
+# (and check) other values. Four warps where the H200 measured them faster than
+# eight (bench_kernels.py, B1-T8192-H16 bf16, 2026-11-30, ms per call, 8 -> 4):
+# intra_a_fwd 0.65 -> 0.41, intra_wu_fwd 1.11 -> 0.72, intra_bwd_w 0.87 -> 0.59,
+# intra_bwd 0.27 -> 0.26; intra_bwd_a 0.44 at 4, 0.46 at 8.
+INTRA_A_FWD_WARPS = 4
+INTRA_WU_FWD_WARPS = 4
+# ... and two for bf16 inputs with K <= 128: intra_wu_fwd 0.36 -> 0.23 ms, forward
+# 1.12 -> 0.99 ms (same H200 run, B1-T8192-H16; max rel diff of o, final state and
+# grads to four warps 3e-5). Not at fp32 or K = 256, where two warps spill
+# kilobytes (benchmarks/kernel_resources.py).
+INTRA_WU_FWD_WARPS_BF16 = 2
+INTRA_BWD_W_WARPS = 4
+INTRA_BWD_WARPS = 4
+INTRA_BWD_A_WARPS = 4
+# How intra_wu_fwd.py gets row i of the diagonal blocks in each of the 15 steps of
+# its forward substitution: 0 cut out of the blocks in registers (a cross-warp
+# reduction), 1 loaded again from A_kk. On the H200 (bf16, B1-T8192-H16, two
+# warps): intra_wu_fwd 0.229 -> 0.190 ms, forward 0.999 -> 0.958 ms, outputs
+# bitwise the same (bench_kernels.py, 2026-11-30).
+TM_ROW_LOADS = 1
+# intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
+# 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
+# intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
+# B1-T8192-H16 at 32; 16 the same within noise (0.607 / 0.170).
+INTRA_WU_BV = 32
+# intra_a_fwd (the A's, Qg, Kr): K slices of BKA (bounded shared memory at any
+# K); a cap on its registers per thread (None: the compiler's choice, 255 at every
+# BKA; 168 lets three CTAs share an SM). On the H200 (bf16, bench_kernels.py,
+# 2026-11-30) the kernel in one pass over K at BKA = 16 with the cap of 168 beat
+# the former two passes at BKA = 64: intra_a_fwd 0.204 -> 0.197 ms at
+# B1-T8192-H16, forward 2.416 -> 2.365 ms at B2-T8192-H8-HV32; the A's changed by
+# 4e-4 (relative; the K slices' order of summation). Two passes at BKA = 32 or 16
+# were slower (0.238, 0.252 ms), as was the cap of 128 (0.217). The two-pass form
+# is gone (commit history). With gam from its own launch (INTRA_GAM_KERNEL) the
+# K slices carry less: BKA = 32 took intra_a_fwd 0.424 -> 0.385 ms at B2 and
+# 0.126 -> 0.114 at B1, forward 1.723 -> 1.688 and 0.590 -> 0.580 ms (H200,
+# bench_kernels.py, 2026-11-30, seventh session).
+BKA = 32
+INTRA_A_FWD_MAXNREG = 168
+# intra_a_fwd's test for a steep chunk: the spread of gam around the middle row
+# kept elementwise over the K slices and reduced across warps once (1), instead
+# of once per slice (0); the same result (bitwise, tests). On the H200
+# (2026-11-30, same process): forward 1.898 -> 1.870 ms at B2-T8192-H8-HV32, 0.636
+# -> 0.627 at B1-T8192-H16. Tried the same day and dropped: two programs per chunk
+# with one A each (intra_a_fwd 0.714 -> 1.27 ms at B2), two pipeline stages
+# (0.714 -> 0.776), eight warps (0.195 -> 0.232 at B1).
+INTRA_A_SPREAD_TILE = 1
+# gam = cumsum(g) in a launch of its own (gam_fwd.py, K blocks of BKG, GAM_WARPS
+# warps) before intra_a_fwd, which then reads gam and its middle and last rows
+# (1), instead of forming them per K slice with a cross-warp scan and two
+# cross-warp reductions (0), the work that set intra_a_fwd's time (two programs
+# per chunk, each with that work, took twice as long). Costs one more read of g.
+# On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session, at BKA =
+# 16): intra_a_fwd 0.679 -> 0.424 ms plus gam_fwd 0.132 at B2-T8192-H8-HV32,
+# forward 1.846 -> 1.726 ms; B1-T8192-H16 0.623 -> 0.599. BKG = 32 (gam_fwd
+# 0.149 ms at B2), 128 (0.133) and four warps (0.131) no better than 64. o
+# differs from 0's by up to 5e-4 (relative; the GPU's scans associate
+# differently; bitwise the same under the interpreter). Tried the same day and
+# dropped: without a kernel of its own, gam formed again in intra_wu_fwd from g
+# when nothing is kept (forward 1.846 -> 2.054 ms).
+INTRA_GAM_KERNEL = 1
+BKG = 64
+GAM_WARPS = 2
+# K slices of the backward through the states and W (intra_bwd_w.py) and of the
+# forward's steep path (intra_a_fwd.py)
+BKS = 32
+# K slices of the backward through the A's, one program each: BKD_A on the
+# common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
+BKD_A = 32
+BKD = 16
+# The scans: one program per (V block of BV_SCAN, batch * value head), sequential
+# over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
+# next chunk (two stages) where BK <= 128, which fits the H200's 227 KB of shared
+# memory at fp32 (the backward scan: 156 KB at BK = 128, 270 KB at 256 by compiling).
+BV_SCAN = 16  # 32 -> 16 on the H200: forward scan 0.39 -> 0.35 ms, backward scan even (B1-T8192-H16, bf16)
+# ... but only where W and Kr are bf16 (bf16 inputs). With fp32 W and Kr (fp32 and
+# fp16 inputs) the first forward at BV_SCAN = 16 hit an illegal memory access on
+# the H200 (2026-11-30; every fp32 and fp16 CUDA test, while bf16 passed; no
+# device time was left to confirm the cause in isolation). At 32 every CUDA test
+# had passed earlier that day, and a V block of 16 is the one earlier seen to
+# give a wrong dk under fp32 (see _sizes).
+BV_SCAN_FP32_OPERANDS = 32
+# ... the smallest of those, doubled up to BV_SCAN_MAX, that keeps the scan's
+# programs within one wave (one per SM): a scan program is a serial chain, so a
+# second wave doubles the scan's time. At B2-T8192-H8-HV32 (64 heads) a V block of
+# 16 made 512 programs, four waves on the H200's 132 SMs: forward 3.6 ms where
+# fla took 1.76 (2026-11-30). SCAN_SMS: None counts the device's SMs; under the
+# interpreter (CPU CI), the H200's 132.
+BV_SCAN_MAX = 64
+SCAN_SMS = None
+SCAN_WARPS = 8
+SCAN_STAGES = 2  # where BK <= 128; one stage above
+# The forward scan alone (None: as above): its warps, stages (bf16 operands and
+# BK <= 128 only; see _sizes) and V block (before the doubling to one wave); and
+# how many of its programs one SM runs at once, for the V block's choice (a wave =
+# SMs x SCAN_FWD_PER_SM). On the H200 (bf16 dots, 2026-11-30): three stages
+# 0.282 -> 0.208 ms at B1-T8192-H16 (fla's scan: 0.199) and 0.472 -> 0.426 at
+# B2-T8192-H8-HV32 (fla's: 0.298); forward at B2 with four warps 2.119 ms against
+# 2.127 (noise), with four warps and two programs per SM (V block 32) 2.246.
+SCAN_FWD_WARPS = None
+SCAN_FWD_STAGES = 3
+BV_SCAN_FWD = None
+SCAN_FWD_PER_SM = 1
+# bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
+# operands, the state and U' rounded to bf16 as they enter them (fp32
+# accumulation, fp32 state throughout), as fla's forward does; 0 keeps TF32 dots.
+# On the H200 (B1-T8192-H16, 2026-11-30, bench_kernels.py): the output kernel
+# 0.199 -> 0.091 ms with o within 3.3e-3 (relative) of the TF32 one, the level of
+# its own bf16 rounding (o's relative difference to fla stays 4.0e-3): on. The
+# scan 0.357 -> 0.282 ms (0.208 with three stages; B2: 0.664 -> 0.426), the fp32
+# final state's relative difference to fla's 2.5e-3 -> 3.1e-3 (B2 2.4e-3 ->
+# 2.9e-3) and to the fp64 reference on the same bf16-rounded inputs 0.9e-3 ->
+# 2.0e-3 (interpreter with the GPU's round-to-nearest, _dot.py, T = 512, K = V =
+# 64; o unchanged at 2.9e-3): below bf16's own rounding (3.9e-3), as in fla, whose
+# scan rounds the same operands: on (since 2026-11-30; 0 restores TF32 dots).
+SCAN_BF16_DOTS = 1
+OUTPUT_BF16_DOTS = 1
+# The same for intra_wu_fwd's W = Tm (...) and U = Tm (...) (W is stored in bf16
+# anyway): on the H200 (2026-11-30) forward 2.416 -> 2.371 ms at B2 for a 3.3e-3
+# change of the grads: off. (bf16 dots in the backward scan, tried the same day,
+# hit an illegal memory access on the H200 and were removed.)
+WU_BF16_DOTS = 0
+# The output kernel's V block (None: the common BV) and warps per program: 8 -> 4
+# warps 0.199 -> 0.130 ms (same run; 0.091 -> 0.074 with bf16 dots). A V block of
+# 128 (one program per chunk) was slower: 0.206.
+BV_OUTPUT = None
+OUTPUT_WARPS = 4
+# Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
+GVA_ROWS = 32
+# Sequences up to this length (decode steps and short prompts through chunk_kda)
+# run token by token in one launch, the state on chip (recurrent_fwd.py), instead
+# of the six launches of the chunked forward; their one chunk's boundaries are the
+# initial and the final state.
+RECURRENT_MAX_T = 16
+# The recurrent kernel's V block (at most; at least 16) and warps per program:
+# 90% of the copy ceiling at B = 256 and 83% at B = 64 (HV = 32, K = V = 128) on
+# the H200 with these; benchmarks/bench_decode.py --settings times others. Timed
+# and slower (graph replay at B = 64, 2026-11-30): BV 64 (80.9 us vs 75.7), BV 16
+# (88.2 vs 75.8), eight warps (81.4), two warps (78.9), BV 16 with two (76.6).
+RECURRENT_BV = 32
+RECURRENT_WARPS = 4
+# A cap on its registers per thread (None: the compiler's 150, i.e. three CTAs of
+# four warps per SM). 128 (28 B of spills) lets four share an SM; timed on the H200
+# (2026-11-30): B = 64 graph replay 76.2 -> 81.2 us, slower.
+RECURRENT_MAXNREG = None
+# Cache hints on the recurrent kernel's state traffic (recurrent_fwd.py): timed
+# slower (81.2 vs 75.7 us at B = 64, 2026-11-30).
+RECURRENT_STREAM_HINTS = 0
+# Cache hints on its inputs and output (recurrent_fwd.py): q, k, g evict-last (the
+# other V blocks' programs read them again), v and o evict-first, as fla's decode
+# kernel sets them (fla 0.6.0, fused_recurrent.py). On the H200 (bench_decode.py,
+# CUDA graph replay, 2026-11-30, seventh session): B = 64 76.1 -> 72.7 us (fla
+# 74.2-74.4), B = 256 278.4 -> 269.7 us; the same bits. With them, two warps
+# (73.4), BV 64 (74.9) and BV 16 (82.7) were slower at B = 64.
+RECURRENT_INPUT_HINTS = 1
+
+# The steep-path kernels (kda_intra_a_fwd_steep_kernel, kda_intra_bwd_a_kernel with
+# STEEP) on fp32 inputs use IEEE fp32 dots. Measured on the H200 (triton 3.6,
+# strong-decay inputs of tests/test_cuda.py, every chunk forced steep): 3xTF32
+# gave exactly the errors of plain TF32 there (o 3.8e-2 relative to the fp64
+# reference, A_kk 1.3), IEEE 3.6e-7; the interpreter 3e-7. Steep chunks are rare,
+# so the slower FMA dots cost little. bf16/fp16 inputs keep TF32 (errors 2e-3,
+# the level of bf16 outputs).
+STEEP_DOT_PREC_FP32 = "ieee"
+
+# CUDA grids allow at most 65535 programs along their second and third axes, where
+# the kernels put B * HV (and, in the backward's K-sliced kernels, the chunks).
+MAX_GRID_YZ = 65535
