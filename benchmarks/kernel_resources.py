@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import gam_fwd, intra_a_fwd, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
+from kda_op.triton_kernels import gam_fwd, intra_a_fwd, prep, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
 from kda_op import _contract
 from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
@@ -120,6 +120,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bf16-chunk-states", type=int, choices=[0, 1], default=int(_contract.BF16_CHUNK_STATES),
                         help="the chunk states in bf16 for bf16 inputs (kda_op._contract.BF16_CHUNK_STATES; "
                              "default: its value)")
+    parser.add_argument("--gate", type=int, choices=[0, 1, 2], default=0,
+                        help="fla's in-kernel gate in the kernels that read g or write dg (0 off, 1 softplus, "
+                             "2 lower bound)")
     parser.add_argument("--set", nargs="*", default=[],
                         help="settings.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
     args = parser.parse_args(argv)
@@ -151,8 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     scale_type = args.scale_type
     common = dict(K=K, V=V, BT=BT)
+    # fla's in-kernel gate (--gate): g is then the raw gate in the inputs' dtype (fla's layer passes bf16)
+    gate = dict(GATE=args.gate, HAS_A=args.gate > 0, HAS_BIAS=args.gate > 0)
+    gate_sig = dict(A_log=f32, dt_bias=f32, lower_bound="fp32")
+    graw = x if args.gate else f32
     runs = [
-        (gam_fwd.kda_gam_fwd_kernel, dict(g=f32, gam=f32, **ints), dict(K=K, BT=BT, BKG=S.BKG), S.GAM_WARPS, 3),
+        (gam_fwd.kda_gam_fwd_kernel, dict(g=graw, gam=f32, **gate_sig, **ints), dict(K=K, BT=BT, BKG=S.BKG, **gate),
+         S.GAM_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
          dict(K=K, BT=BT, BKA=S.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
@@ -194,17 +202,27 @@ def main(argv: list[str] | None = None) -> int:
          dict(V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, S.BKS), DOT_PREC=prec), S.INTRA_BWD_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
-              dg=f32, scale="fp32", **ints),
-         dict(K=K, BT=BT, BC=BC, BKD=BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT), S.INTRA_BWD_A_WARPS, 3),
+              dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
+         dict(K=K, BT=BT, BC=BC, BKD=BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate),
+         S.INTRA_BWD_A_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
-              dg=f32, scale="fp32", **ints),
-         dict(K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
+              dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
+         dict(K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT, **gate), 4, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
-         dict(q=x, k=x, v=x, g=f32, beta=x, h0=f32, o=x, ht=f32, scale="fp32", T="i32", H="i32", HV="i32"),
+         dict(q=x, k=x, v=x, g=graw, beta=x, h0=f32, o=x, ht=f32, **gate_sig, scale="fp32", T="i32", H="i32",
+              HV="i32"),
          dict(K=K, V=V, BK=s["BK"], BV=S.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
-              INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS)),
+              INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), **gate),
          S.RECURRENT_WARPS, 3),
+        (prep.kda_prep_fwd_kernel,
+         dict(q=x, k=x, beta=x, q_out=x, k_out=x, beta_out=x, q_rstd=f32, k_rstd=f32, R="i32", eps="fp32",
+              beta_scale="fp32"),
+         dict(K=K, G=4, BK=s["BK"], BR=S.PREP_ROWS, BB=4 * S.PREP_ROWS, L2NORM=True, SIGMOID=True), S.PREP_WARPS, 3),
+        (prep.kda_prep_bwd_kernel,
+         dict(q_out=x, k_out=x, q_rstd=f32, k_rstd=f32, beta=x, dq_out=x, dk_out=x, dbeta_out=x, dq=x, dk=x,
+              dbeta=x, R="i32", beta_scale="fp32"),
+         dict(K=K, G=4, BK=s["BK"], BR=S.PREP_ROWS, BB=4 * S.PREP_ROWS, L2NORM=True, SIGMOID=True), S.PREP_WARPS, 3),
     ]
     print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))
     over = []

@@ -2,15 +2,71 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import warnings
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 
 from . import ops as _ops  # noqa: F401  (defines the ops and their autograd)
 from . import meta as _meta  # noqa: F401  (registers the fake kernels; needs the ops)
-from ._checks import check_bool, check_kda_inputs
+from ._checks import check_bool, check_kda_inputs, check_options
 from ._contract import chunked_kernels_serve
+
+
+# fla 0.6 keywords that belong to work not done yet: refused, never ignored.
+_NOT_YET = {
+    "cp_context": "context parallelism",
+    "use_graph": "fla's fixed-shape varlen chunk list for graph capture",
+    "max_num_seqs": "fla's fixed-shape varlen chunk list for graph capture",
+    "return_intermediate_states": "returning the chunk states for inference",
+    "ssm_state_indices": "decoding on a state pool (serving)",
+    "num_accepted_tokens": "speculative decoding on a state pool (serving)",
+    "inplace_final_state": "decoding on a state pool (serving)",
+    "cu_seqlens": "variable-length packing",
+    "cu_seqlens_cpu": "variable-length packing",
+}
+
+
+def _not_yet(fn: str, name: str) -> NotImplementedError:
+    return NotImplementedError(f"{fn}(): {name!r} ({_NOT_YET[name]}) is not implemented in kda-op yet")
+
+
+def _fla_kwargs(fn: str, kwargs: dict, state_v_first: bool, accepted: tuple) -> tuple[dict, bool]:
+    """fla's ``**kwargs``: the ones ``fn`` reads (``accepted``), its deprecated
+    ``transpose_state_layout`` (= state_v_first, with fla's warning), the later
+    work's (NotImplementedError); any other is a TypeError, as for a misspelt
+    keyword of a plain function."""
+    kwargs = dict(kwargs)
+    if "transpose_state_layout" in kwargs:
+        if state_v_first:
+            raise ValueError("Cannot pass both `state_v_first` and the deprecated `transpose_state_layout`.")
+        warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
+                      DeprecationWarning, stacklevel=3)
+        state_v_first = kwargs.pop("transpose_state_layout")
+        check_bool("transpose_state_layout", state_v_first)
+    read = {name: kwargs.pop(name) for name in accepted if name in kwargs}
+    for name, value in kwargs.items():
+        if name in _NOT_YET:
+            if value is not None and value is not False:
+                raise _not_yet(fn, name)
+        else:
+            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
+    return read, state_v_first
+
+
+def _prepare(q, k, beta, use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
+    """fla's q/k l2 norm and beta sigmoid, through ``kda_op::kda_prep_fwd`` (one
+    launch on CUDA) where either is asked."""
+    if not (use_qk_l2norm_in_kernel or use_beta_sigmoid_in_kernel):
+        return q, k, beta
+    beta_scale = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else 0.0
+    q_out, k_out, beta_out, _, _ = torch.ops.kda_op.kda_prep_fwd(q, k, beta, use_qk_l2norm_in_kernel, beta_scale)
+    if use_qk_l2norm_in_kernel:
+        q, k = q_out, k_out
+    if use_beta_sigmoid_in_kernel:
+        beta = beta_out
+    return q, k, beta
 
 
 def chunk_kda(
@@ -22,7 +78,23 @@ def chunk_kda(
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    safe_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    disable_recompute: bool = False,
+    return_intermediate_states: bool = False,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
+    cp_context: Optional[Any] = None,
+    use_graph: bool = False,
+    max_num_seqs: Optional[int] = None,
+    *,
     recompute_in_backward: bool = False,
+    **kwargs: Any,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Kimi Delta Attention: a gated delta rule with a per-channel decay.
 
@@ -32,61 +104,125 @@ def chunk_kda(
         S_t   = S_dec + (beta_t * k_t) (outer) (v_t - k_t^T S_dec)
         o_t   = (scale * q_t)^T S_t
 
+    flash-linear-attention 0.6's ``chunk_kda`` signature and semantics: the same
+    positional order, the same keywords (those not implemented yet raise
+    NotImplementedError, an unknown one TypeError).
+
     Args:
         q: queries ``[B, T, H, K]``.
         k: keys ``[B, T, H, K]`` (usually l2-normalised), same dtype as ``q``.
         v: values ``[B, T, HV, V]`` with ``HV = G * H``; value head ``j`` reads
             query/key head ``j // G``. Same dtype as ``q``.
-        g: log decay ``[B, T, HV, K]`` (natural log, usually <= 0).
-        beta: write strength ``[B, T, HV]``.
+        g: log decay ``[B, T, HV, K]`` (natural log, usually <= 0); with
+            ``use_gate_in_kernel`` the raw gate instead.
+        beta: write strength ``[B, T, HV]``; with ``use_beta_sigmoid_in_kernel``
+            its logits.
         scale: multiplies ``q``; ``None`` means ``K ** -0.5``.
-        initial_state: ``[B, HV, K, V]`` state before the first token, or ``None``
-            for zeros.
+        initial_state: ``[B, HV, K, V]`` (``[B, HV, V, K]`` with
+            ``state_v_first``) state before the first token, or ``None`` for zeros.
         output_final_state: whether to return the state after the last token.
-        recompute_in_backward: on CUDA, when a backward will follow, the forward
-            keeps its intra-chunk quantities for it (about 3 KB per token and
-            value head at K = V = 128 with bf16 inputs, until the backward runs);
-            ``True`` keeps none and the backward recomputes them: less memory,
-            a slower backward. No effect without grad or on the CPU reference.
+        use_qk_l2norm_in_kernel: scale each row of q and k to unit l2 norm first
+            (``x / sqrt(sum(x^2) + 1e-6)``, fla's).
+        use_gate_in_kernel: ``g`` is the raw gate; the log decay is
+            ``-exp(A_log) * softplus(g + dt_bias)``, or with ``lower_bound``
+            ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``. ``A_log`` [HV]
+            and ``dt_bias`` [HV * K] come as keywords (fla's ``**kwargs``);
+            ``dt_bias`` may be None, ``A_log`` too when ``lower_bound`` is set.
+            On CUDA the gate is formed inside the chunk kernels and dg goes back
+            through it there; ``A_log`` and ``dt_bias`` get grads.
+        use_beta_sigmoid_in_kernel: ``beta`` is a logit: ``sigmoid(beta)`` is used.
+        allow_neg_eigval: with ``use_beta_sigmoid_in_kernel``, ``2 * sigmoid(beta)``.
+        safe_gate: fla's promise that the gates lie in ``[lower_bound, 0)``
+            (which lets fla's kernels take a faster path). kda-op's kernels
+            handle any gate, so it changes no result; fla's rules on it are
+            checked (with ``use_gate_in_kernel`` it needs ``lower_bound`` in
+            ``[-5, 0)``).
+        lower_bound: see ``use_gate_in_kernel`` and ``safe_gate``.
+        disable_recompute: fla's: keep every intra-chunk intermediate for the
+            backward instead of recomputing it. kda-op's default already keeps
+            them (see ``recompute_in_backward``); True only conflicts with
+            ``recompute_in_backward=True``.
+        state_v_first: states in ``[..., V, K]`` layout instead of ``[..., K, V]``.
+        chunk_size: (keyword) 32 or 64, as fla accepts; kda-op's kernels always
+            cut 64-token chunks, so results differ from fla's by rounding only.
+        return_intermediate_states, cu_seqlens, cu_seqlens_cpu, cp_context,
+            use_graph, max_num_seqs: fla's; not implemented in kda-op yet
+            (NotImplementedError when set).
+        recompute_in_backward: kda-op's: on CUDA, when a backward will follow,
+            the forward keeps its intra-chunk quantities for it (about 3 KB per
+            token and value head at K = V = 128 with bf16 inputs, until the
+            backward runs); ``True`` keeps none and the backward recomputes them.
+            No effect without grad or on the CPU reference.
 
     Returns:
         ``(o, final_state)``: ``o`` is ``[B, T, HV, V]`` in the dtype of ``v``;
-        ``final_state`` is ``[B, HV, K, V]`` in fp32 (fp64 for fp64 inputs), or
-        ``None`` when ``output_final_state`` is False.
+        ``final_state`` is ``[B, HV, K, V]`` (``[B, HV, V, K]`` with
+        ``state_v_first``) in fp32 (fp64 for fp64 inputs), or ``None`` when
+        ``output_final_state`` is False.
 
-    Inputs may be float16, bfloat16, float32 or float64; the state is kept in
-    fp32 (fp64 for fp64 inputs). The function is differentiable in q, k, v, g,
-    beta and initial_state through ``torch.ops.kda_op.chunk_kda_bwd``; it traces
-    under ``torch.compile(fullgraph=True)`` and ``torch.export``. No input is
+    Inputs may be float16, bfloat16, float32 or float64 (``q``, ``k``, ``v``
+    share one dtype); the state is kept in fp32 (fp64 for fp64 inputs). The
+    function is differentiable in every tensor input (``A_log`` and ``dt_bias``
+    included) through ``torch.ops.kda_op.chunk_kda_bwd`` (and
+    ``kda_prep_bwd`` for the l2 norm and sigmoid); it traces under
+    ``torch.compile(fullgraph=True)`` and ``torch.export``. No input is
     modified. On CUDA, sequences of at most 16 tokens run the token-by-token
-    kernel of :func:`fused_recurrent_kda` (one launch) and longer ones the chunked
-    kernels; under ``torch.export`` on CUDA the op is
-    ``kda_op::chunk_kda_fwd_export``, whose kernels AOTInductor compiles into its
-    packages (needs T >= 1).
+    kernel of :func:`fused_recurrent_kda` (one launch) and longer ones the
+    chunked kernels; under ``torch.export`` on CUDA the op is
+    ``kda_op::chunk_kda_fwd_export``, whose kernels AOTInductor compiles into
+    its packages (needs T >= 1).
 
     Raises:
-        TypeError: a non-tensor argument, an integer/bool dtype, or q/k/v dtypes
-            that differ.
+        TypeError: a non-tensor argument, an integer/bool dtype, q/k/v dtypes
+            that differ, a non-bool flag, or an unknown keyword.
         ValueError: wrong ranks or shapes, HV not a multiple of H, K or V of 0,
-            or tensors on different devices.
+            tensors on different devices, or options that fla refuses.
+        NotImplementedError: an fla keyword of work not done yet.
     """
-    check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state)
+    for name, value in (("return_intermediate_states", return_intermediate_states), ("cu_seqlens", cu_seqlens),
+                        ("cu_seqlens_cpu", cu_seqlens_cpu), ("cp_context", cp_context), ("use_graph", use_graph),
+                        ("max_num_seqs", max_num_seqs)):
+        if value is not None and value is not False:
+            raise _not_yet("chunk_kda", name)
+    extra, state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first, ("A_log", "dt_bias", "chunk_size"))
+    A_log, dt_bias = extra.get("A_log"), extra.get("dt_bias")
+    check_options(
+        "chunk_kda", q, v, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
+        state_v_first=state_v_first, chunk_size=extra.get("chunk_size", 64),
+    )
+    check_bool("disable_recompute", disable_recompute)
     check_bool("recompute_in_backward", recompute_in_backward)
+    if disable_recompute and recompute_in_backward:
+        raise ValueError("disable_recompute=True (keep every intermediate) contradicts recompute_in_backward=True")
+    h0 = _state_in(initial_state, state_v_first)
+    check_kda_inputs(q, k, v, g, beta, scale, h0, output_final_state, state_v_first=state_v_first)
+    q, k, beta = _prepare(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    scale = None if scale is None else float(scale)
+    gate = (A_log, dt_bias, use_gate_in_kernel, None if lower_bound is None else float(lower_bound))
     if torch.compiler.is_exporting() and chunked_kernels_serve(q.device.type, q.dtype):
         # torch.export on CUDA: the forward whose kernels AOTInductor can compile
         # into a package (kda_op.ops.chunk_kda_fwd_export).
-        o, final_state, _ = torch.ops.kda_op.chunk_kda_fwd_export(
-            q, k, v, g, beta, None if scale is None else float(scale), initial_state
-        )
-        return o, (final_state if output_final_state else None)
+        o, final_state, _ = torch.ops.kda_op.chunk_kda_fwd_export(q, k, v, g, beta, scale, h0, *gate)
+        return o, (_state_out(final_state, state_v_first) if output_final_state else None)
     needs_grad = torch.is_grad_enabled() and any(
-        x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, h0, A_log, dt_bias)
     )
     o, final_state, _, _ = torch.ops.kda_op.chunk_kda_fwd(
-        q, k, v, g, beta, None if scale is None else float(scale), initial_state,
-        needs_grad and not recompute_in_backward,
+        q, k, v, g, beta, scale, h0, needs_grad and not recompute_in_backward, *gate
     )
-    return o, (final_state if output_final_state else None)
+    return o, (_state_out(final_state, state_v_first) if output_final_state else None)
+
+
+def _state_in(state: Optional[Tensor], state_v_first: bool) -> Optional[Tensor]:
+    """A caller's state in the ops' [..., K, V] layout (a view)."""
+    return state.transpose(-1, -2) if state_v_first and isinstance(state, Tensor) else state
+
+
+def _state_out(state: Tensor, state_v_first: bool) -> Tensor:
+    """The ops' state in the caller's layout: [..., V, K] contiguous with state_v_first."""
+    return state.transpose(-1, -2).contiguous() if state_v_first else state
 
 
 def fused_recurrent_kda(
@@ -95,23 +231,49 @@ def fused_recurrent_kda(
     v: Tensor,
     g: Tensor,
     beta: Tensor,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
     scale: Optional[float] = None,
     initial_state: Optional[Tensor] = None,
     output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    use_gate_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    lower_bound: Optional[float] = None,
+    state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    **kwargs: Any,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Kimi Delta Attention token by token: the decoding path.
 
-    Same arguments, results and checks as :func:`chunk_kda` (fla's
-    ``fused_recurrent_kda`` convention). On CUDA a Triton kernel holds each
-    state tile on chip for the whole sequence and writes no chunk states, which
+    flash-linear-attention 0.6's ``fused_recurrent_kda`` signature (note its
+    positional order: ``A_log`` and ``dt_bias`` come before ``scale``) with the
+    same options, results and checks as :func:`chunk_kda`. On CUDA a Triton
+    kernel holds each state tile on chip for the whole sequence and writes no
+    chunk states (the gate, when in the kernel, is formed there too), which
     suits single-token steps and short sequences; for long sequences use
     ``chunk_kda``. Runs through ``torch.ops.kda_op.fused_recurrent_kda_fwd``;
     differentiable (its backward recomputes the chunk states and reuses
     ``chunk_kda_bwd``), and traceable by ``torch.compile(fullgraph=True)``,
-    ``torch.export`` and CUDA graph capture.
+    ``torch.export`` and CUDA graph capture. ``cu_seqlens``, and fla's serving
+    keywords (``ssm_state_indices``, ``num_accepted_tokens``,
+    ``inplace_final_state``), raise NotImplementedError.
     """
-    check_kda_inputs(q, k, v, g, beta, scale, initial_state, output_final_state)
-    o, final_state = torch.ops.kda_op.fused_recurrent_kda_fwd(
-        q, k, v, g, beta, None if scale is None else float(scale), initial_state
+    if cu_seqlens is not None:
+        raise _not_yet("fused_recurrent_kda", "cu_seqlens")
+    _, state_v_first = _fla_kwargs("fused_recurrent_kda", kwargs, state_v_first, ())
+    check_options(
+        "fused_recurrent_kda", q, v, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=False, lower_bound=lower_bound, state_v_first=state_v_first,
+        chunk_size=64,
     )
-    return o, (final_state if output_final_state else None)
+    h0 = _state_in(initial_state, state_v_first)
+    check_kda_inputs(q, k, v, g, beta, scale, h0, output_final_state, state_v_first=state_v_first)
+    q, k, beta = _prepare(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    o, final_state = torch.ops.kda_op.fused_recurrent_kda_fwd(
+        q, k, v, g, beta, None if scale is None else float(scale), h0,
+        A_log, dt_bias, use_gate_in_kernel, None if lower_bound is None else float(lower_bound),
+    )
+    return o, (_state_out(final_state, state_v_first) if output_final_state else None)

@@ -1,6 +1,14 @@
 """The KDA operators: ``torch.ops.kda_op.chunk_kda_fwd``, ``chunk_kda_bwd`` and
-``fused_recurrent_kda_fwd``; and ``chunk_kda_fwd_export``, the CUDA forward as a
-triton_op for torch.export / AOTInductor.
+``fused_recurrent_kda_fwd``; ``chunk_kda_fwd_export``, the CUDA forward as a
+triton_op for torch.export / AOTInductor; and ``kda_prep_fwd`` / ``kda_prep_bwd``,
+fla's q/k l2 norm and beta sigmoid in one pass each way.
+
+fla's in-kernel gate (``use_gate_in_kernel``) is part of the KDA ops themselves:
+with ``use_gate`` their ``g`` is the raw gate, ``A_log`` [HV] / ``dt_bias``
+[HV * K] its parameters (either may be None where fla allows it) and
+``lower_bound`` selects the sigmoid form (``kda_op.reference.kda_gate_reference``);
+the CUDA kernels form the log decay on the way into the chunk cumsum and take dg
+back through it where they write it, so the activated gate is never stored.
 
 One op, several kernels: the CPU kernel is the einsum reference
 (``kda_op.reference``); the CUDA kernels are the chunked Triton kernels of
@@ -18,15 +26,48 @@ import torch
 from torch import Tensor
 
 from ._contract import chunked_kernels_serve
-from .reference import kda_backward_reference, kda_forward_reference
+from .reference import (
+    beta_sigmoid_backward_reference,
+    beta_sigmoid_reference,
+    kda_backward_reference,
+    kda_forward_reference,
+    kda_gate_backward_reference,
+    kda_gate_reference,
+    l2norm_backward_reference,
+    l2norm_reference,
+)
 
 NAMESPACE = "kda_op"
 
 
-def _reference_fwd(q, k, v, g, beta, scale, initial_state):
+def _gate(A_log: Optional[Tensor], dt_bias: Optional[Tensor], use_gate: bool, lower_bound: Optional[float]):
+    """The kernels' form of the gate options: None, or ``(A_log, dt_bias, lower_bound)``."""
+    return (A_log, dt_bias, lower_bound) if use_gate else None
+
+
+def _reference_fwd(q, k, v, g, beta, scale, initial_state, gate=None):
     """chunk_kda_fwd on the einsum reference, which keeps no intermediates."""
+    if gate is not None:
+        g = kda_gate_reference(g, *gate)
     o, final_state, chunk_states = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
     return o, final_state, chunk_states, q.new_empty((0,), dtype=torch.uint8)
+
+
+def _reference_bwd(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, gate=None):
+    """chunk_kda_bwd on the einsum reference: the BPTT backward, then (with the
+    gate) back through the gate."""
+    def empty():  # a fresh one each time: op outputs must not alias each other
+        return q.new_empty((0,), dtype=torch.float32)
+
+    if gate is None:
+        return (*kda_backward_reference(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht), empty(),
+                empty())
+    g_act = kda_gate_reference(g, *gate)
+    dq, dk, dv, dg_act, dbeta, dh0 = kda_backward_reference(q, k, v, g_act, beta, scale, initial_state,
+                                                            chunk_states, do, dht)
+    dg, dA_log, ddt_bias = kda_gate_backward_reference(g, *gate, dg_act)
+    return (dq, dk, dv, dg, dbeta, dh0, empty() if dA_log is None else dA_log,
+            empty() if ddt_bias is None else ddt_bias)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::chunk_kda_fwd", mutates_args=(), device_types="cpu")
@@ -39,6 +80,10 @@ def chunk_kda_fwd(
     scale: Optional[float],
     initial_state: Optional[Tensor],
     keep_intermediates: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """KDA forward. Returns ``(o [B,T,HV,V], final_state [B,HV,K,V],
     chunk_states [B,NC+1,HV,K,V], intermediates [N] uint8)``; ``chunk_states``
@@ -47,8 +92,9 @@ def chunk_kda_fwd(
     ``keep_intermediates`` the chunked CUDA kernels also keep their intra-chunk
     quantities in ``intermediates`` (layout: ``kda_op._contract.
     intermediates_layout``) so that the backward need not recompute them; it is
-    empty otherwise, and always on the reference (CPU, fp64)."""
-    return _reference_fwd(q, k, v, g, beta, scale, initial_state)
+    empty otherwise, and always on the reference (CPU, fp64). ``use_gate``: ``g``
+    is fla's raw gate (module docstring)."""
+    return _reference_fwd(q, k, v, g, beta, scale, initial_state, _gate(A_log, dt_bias, use_gate, lower_bound))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::chunk_kda_bwd", mutates_args=(), device_types="cpu")
@@ -64,46 +110,67 @@ def chunk_kda_bwd(
     do: Tensor,
     dht: Optional[Tensor],
     intermediates: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """KDA backward from the grads of o (``do``) and of the final state (``dht``,
-    ``None`` for zero). Returns ``(dq, dk, dv, dg, dbeta, dh0)``; dq and dk are
-    already reduced from the HV value heads to the H key heads. ``intermediates``:
-    what ``chunk_kda_fwd`` kept (the CUDA kernels then skip their recompute);
-    ``None`` or empty to recompute."""
-    return kda_backward_reference(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht)
+    ``None`` for zero). Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``;
+    dq and dk are already reduced from the HV value heads to the H key heads;
+    dA_log and ddt_bias are empty unless ``use_gate`` and the parameter is given
+    (dg is then the raw gate's grad). ``intermediates``: what ``chunk_kda_fwd``
+    kept (the CUDA kernels then skip their recompute); ``None`` or empty to
+    recompute."""
+    return _reference_bwd(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht,
+                          _gate(A_log, dt_bias, use_gate, lower_bound))
 
 
-def _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, chunk_states, *kept) -> None:
+def _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound,
+                          chunk_states, *kept) -> None:
     """What _input_grads needs, saved by a forward op's setup_context."""
     ctx.scale = scale
     ctx.has_initial_state = initial_state is not None
+    ctx.use_gate = use_gate
+    ctx.lower_bound = lower_bound
     # Unused outputs get no grad (None) rather than zeros: materialising them would
     # fill a tensor the size of the kept intermediates (0.12 ms a step measured at
     # B1-T8192-H16) and of the chunk states, only to ignore it.
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, chunk_states, *kept)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, chunk_states, *kept)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     _, _, chunk_states, intermediates = output
     ctx.mark_non_differentiable(chunk_states, intermediates)
-    _save_for_input_grads(ctx, *inputs[:7], chunk_states, intermediates)
+    q, k, v, g, beta, scale, initial_state, _keep, A_log, dt_bias, use_gate, lower_bound = inputs
+    _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound,
+                          chunk_states, intermediates)
 
 
-def _input_grads(ctx, do: Optional[Tensor], dht: Optional[Tensor], intermediates: Optional[Tensor]):
-    """The grads of (q, k, v, g, beta, scale, initial_state) through chunk_kda_bwd,
-    from what setup_context saved (inputs first, chunk_states after them)."""
-    q, k, v, g, beta, initial_state, chunk_states = ctx.saved_tensors[:7]
+def _input_grads(ctx, do: Optional[Tensor], dht: Optional[Tensor], intermediates: Optional[Tensor],
+                 chunk_states: Optional[Tensor] = None):
+    """The grads of (q, k, v, g, beta, initial_state, A_log, dt_bias) through
+    chunk_kda_bwd, from what setup_context saved (None for an input that had
+    none). ``chunk_states``: in place of the saved ones (the recurrent op's
+    backward, which recomputes them)."""
+    q, k, v, g, beta, initial_state, A_log, dt_bias, saved_states = ctx.saved_tensors[:9]
     if do is None:  # only the final state was used
         do = torch.zeros_like(v)  # o has v's shape and dtype
-    dq, dk, dv, dg, dbeta, dh0 = torch.ops.kda_op.chunk_kda_bwd(
-        q, k, v, g, beta, ctx.scale, initial_state, chunk_states, do, dht, intermediates
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = torch.ops.kda_op.chunk_kda_bwd(
+        q, k, v, g, beta, ctx.scale, initial_state, saved_states if chunk_states is None else chunk_states,
+        do, dht, intermediates, A_log, dt_bias, ctx.use_gate, ctx.lower_bound,
     )
-    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None)
+    return (dq, dk, dv, dg, dbeta, (dh0 if ctx.has_initial_state else None),
+            dA_log if ctx.use_gate and A_log is not None else None,
+            ddt_bias if ctx.use_gate and dt_bias is not None else None)
 
 
 def _backward(ctx, do: Optional[Tensor], dht: Optional[Tensor], _dchunk_states, _dintermediates):
-    return *_input_grads(ctx, do, dht, ctx.saved_tensors[7]), None
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, ctx.saved_tensors[9])
+    # one grad per input: q, k, v, g, beta, scale, initial_state, keep_intermediates,
+    # A_log, dt_bias, use_gate, lower_bound
+    return dq, dk, dv, dg, dbeta, None, dh0, None, dA_log, ddt_bias, None, None
 
 
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -113,21 +180,25 @@ chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
 # so that importing kda_op needs no triton. fp64 inputs, which the Triton kernels
 # (fp32 state) do not serve, run the einsum reference on the GPU: exact, slow.
 @chunk_kda_fwd.register_kernel("cuda")
-def _chunk_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state, keep_intermediates=False):
+def _chunk_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state, keep_intermediates=False, A_log=None,
+                        dt_bias=None, use_gate=False, lower_bound=None):
+    gate = _gate(A_log, dt_bias, use_gate, lower_bound)
     if not chunked_kernels_serve(q.device.type, q.dtype):
-        return _reference_fwd(q, k, v, g, beta, scale, initial_state)
+        return _reference_fwd(q, k, v, g, beta, scale, initial_state, gate)
     from .triton_kernels import kda_fwd_triton
 
-    return kda_fwd_triton(q, k, v, g, beta, scale, initial_state, keep_intermediates)
+    return kda_fwd_triton(q, k, v, g, beta, scale, initial_state, keep_intermediates, gate=gate)
 
 
 @chunk_kda_bwd.register_kernel("cuda")
-def _chunk_kda_bwd_cuda(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates=None):
+def _chunk_kda_bwd_cuda(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates=None,
+                        A_log=None, dt_bias=None, use_gate=False, lower_bound=None):
+    gate = _gate(A_log, dt_bias, use_gate, lower_bound)
     if not chunked_kernels_serve(q.device.type, q.dtype):
-        return kda_backward_reference(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht)
+        return _reference_bwd(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, gate)
     from .triton_kernels import kda_bwd_triton
 
-    return kda_bwd_triton(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates)
+    return kda_bwd_triton(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates, gate=gate)
 
 
 # For deployment: the CUDA forward as a triton_op, whose body (host code and
@@ -144,6 +215,10 @@ def chunk_kda_fwd_export(
     beta: Tensor,
     scale: Optional[float],
     initial_state: Optional[Tensor],
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """KDA forward on the chunked Triton kernels (CUDA, fp32/bf16/fp16 inputs, T >= 1):
     ``(o, final_state, chunk_states)`` as ``chunk_kda_fwd`` without the kept
@@ -151,7 +226,8 @@ def chunk_kda_fwd_export(
     ``kda_op.triton_kernels.fwd.kda_fwd_triton_export``)."""
     from .triton_kernels.fwd import kda_fwd_triton_export
 
-    return kda_fwd_triton_export(q, k, v, g, beta, scale, initial_state)
+    return kda_fwd_triton_export(q, k, v, g, beta, scale, initial_state, gate=_gate(A_log, dt_bias, use_gate,
+                                                                                     lower_bound))
 
 
 def _export_setup_context(ctx, inputs, output) -> None:
@@ -161,7 +237,8 @@ def _export_setup_context(ctx, inputs, output) -> None:
 
 def _export_backward(ctx, do: Optional[Tensor], dht: Optional[Tensor], _dchunk_states):
     # An exported training graph: nothing kept, the backward recomputes the intra-chunk stage.
-    return _input_grads(ctx, do, dht, None)
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, None)
+    return dq, dk, dv, dg, dbeta, None, dh0, dA_log, ddt_bias, None, None
 
 
 chunk_kda_fwd_export.register_autograd(_export_backward, setup_context=_export_setup_context)
@@ -176,41 +253,136 @@ def fused_recurrent_kda_fwd(
     beta: Tensor,
     scale: Optional[float],
     initial_state: Optional[Tensor],
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
 ) -> tuple[Tensor, Tensor]:
     """KDA forward token by token, for decoding: ``(o [B,T,HV,V], final_state
-    [B,HV,K,V])``. Saves no chunk states; its backward recomputes them."""
-    o, final_state, _ = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+    [B,HV,K,V])``. Saves no chunk states; its backward recomputes them.
+    ``use_gate``: ``g`` is fla's raw gate (module docstring)."""
+    o, final_state, _, _ = _reference_fwd(q, k, v, g, beta, scale, initial_state,
+                                          _gate(A_log, dt_bias, use_gate, lower_bound))
     return o, final_state
 
 
 @fused_recurrent_kda_fwd.register_kernel("cuda")
-def _fused_recurrent_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state):
+def _fused_recurrent_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state, A_log=None, dt_bias=None,
+                                  use_gate=False, lower_bound=None):
+    gate = _gate(A_log, dt_bias, use_gate, lower_bound)
     if q.dtype == torch.float64:
-        o, final_state, _ = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+        o, final_state, _, _ = _reference_fwd(q, k, v, g, beta, scale, initial_state, gate)
         return o, final_state
     from .triton_kernels import kda_recurrent_fwd_triton
 
-    return kda_recurrent_fwd_triton(q, k, v, g, beta, scale, initial_state)
+    return kda_recurrent_fwd_triton(q, k, v, g, beta, scale, initial_state, gate=gate)
 
 
 def _recurrent_setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, scale, initial_state = inputs
-    ctx.scale = scale
-    ctx.has_initial_state = initial_state is not None
-    ctx.save_for_backward(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound = inputs
+    _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound, None)
+    ctx.set_materialize_grads(True)  # its backward reads do and dht whole
 
 
 def _recurrent_backward(ctx, do: Tensor, dht: Tensor):
     # Decoding rarely needs grads: rather than make every decode step write chunk
     # states, the backward recomputes them with the chunked forward.
-    q, k, v, g, beta, initial_state = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, A_log, dt_bias = ctx.saved_tensors[:8]
     _, _, chunk_states, intermediates = torch.ops.kda_op.chunk_kda_fwd(
-        q, k, v, g, beta, ctx.scale, initial_state, True
+        q, k, v, g, beta, ctx.scale, initial_state, True, A_log, dt_bias, ctx.use_gate, ctx.lower_bound
     )
-    dq, dk, dv, dg, dbeta, dh0 = torch.ops.kda_op.chunk_kda_bwd(
-        q, k, v, g, beta, ctx.scale, initial_state, chunk_states, do, dht, intermediates
-    )
-    return dq, dk, dv, dg, dbeta, None, (dh0 if ctx.has_initial_state else None)
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, intermediates, chunk_states)
+    return dq, dk, dv, dg, dbeta, None, dh0, dA_log, ddt_bias, None, None
 
 
 fused_recurrent_kda_fwd.register_autograd(_recurrent_backward, setup_context=_recurrent_setup_context)
+
+
+# fla's q/k l2 norm (use_qk_l2norm_in_kernel) and beta sigmoid
+# (use_beta_sigmoid_in_kernel, allow_neg_eigval): one op each way, in front of the
+# KDA ops. On CUDA one Triton launch each way (triton_kernels/prep.py), on CPU the
+# reference.
+@torch.library.custom_op(f"{NAMESPACE}::kda_prep_fwd", mutates_args=(), device_types="cpu")
+def kda_prep_fwd(
+    q: Tensor, k: Tensor, beta: Tensor, qk_l2norm: bool, beta_scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(q_out, k_out, beta_out, q_rstd, k_rstd)``: with ``qk_l2norm`` q and k
+    with rows of unit l2 norm (in their dtype) and the reciprocal norms [B, T, H]
+    (fp32; fp64 for fp64 inputs), else four empty tensors; with ``beta_scale`` > 0
+    ``beta_scale * sigmoid(beta)`` in beta's dtype, else empty."""
+    return _reference_prep_fwd(q, k, beta, qk_l2norm, beta_scale)
+
+
+def _reference_prep_fwd(q, k, beta, qk_l2norm, beta_scale):
+    def empty():  # a fresh one each time: op outputs must not alias each other
+        return q.new_empty((0,))
+
+    if qk_l2norm:
+        q_out, q_rstd = l2norm_reference(q)
+        k_out, k_rstd = l2norm_reference(k)
+    else:
+        q_out, k_out, q_rstd, k_rstd = empty(), empty(), empty(), empty()
+    beta_out = beta_sigmoid_reference(beta, beta_scale) if beta_scale > 0 else empty()
+    return q_out, k_out, beta_out, q_rstd, k_rstd
+
+
+@torch.library.custom_op(f"{NAMESPACE}::kda_prep_bwd", mutates_args=(), device_types="cpu")
+def kda_prep_bwd(
+    q_out: Tensor, k_out: Tensor, q_rstd: Tensor, k_rstd: Tensor, beta: Tensor,
+    dq_out: Optional[Tensor], dk_out: Optional[Tensor], dbeta_out: Optional[Tensor],
+    qk_l2norm: bool, beta_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dq, dk, dbeta)`` of ``kda_prep_fwd`` from its outputs, the raw ``beta``
+    and the outputs' grads (None for zero); a part that was off returns empty."""
+    return _reference_prep_bwd(q_out, k_out, q_rstd, k_rstd, beta, dq_out, dk_out, dbeta_out, qk_l2norm,
+                               beta_scale)
+
+
+def _reference_prep_bwd(q_out, k_out, q_rstd, k_rstd, beta, dq_out, dk_out, dbeta_out, qk_l2norm, beta_scale):
+    dq, dk, dbeta = (q_out.new_empty((0,)) for _ in range(3))  # fresh: outputs must not alias
+    if qk_l2norm:
+        dq = l2norm_backward_reference(q_out, q_rstd, torch.zeros_like(q_out) if dq_out is None else dq_out)
+        dk = l2norm_backward_reference(k_out, k_rstd, torch.zeros_like(k_out) if dk_out is None else dk_out)
+    if beta_scale > 0:
+        dbeta = beta_sigmoid_backward_reference(beta, torch.zeros_like(beta) if dbeta_out is None else dbeta_out,
+                                                beta_scale)
+    return dq, dk, dbeta
+
+
+@kda_prep_fwd.register_kernel("cuda")
+def _kda_prep_fwd_cuda(q, k, beta, qk_l2norm, beta_scale):
+    if q.dtype == torch.float64 or beta.dtype == torch.float64:
+        return _reference_prep_fwd(q, k, beta, qk_l2norm, beta_scale)
+    from .triton_kernels.fwd import kda_prep_fwd_triton
+
+    return kda_prep_fwd_triton(q, k, beta, qk_l2norm, beta_scale)
+
+
+@kda_prep_bwd.register_kernel("cuda")
+def _kda_prep_bwd_cuda(q_out, k_out, q_rstd, k_rstd, beta, dq_out, dk_out, dbeta_out, qk_l2norm, beta_scale):
+    if q_out.dtype == torch.float64 or beta.dtype == torch.float64:
+        return _reference_prep_bwd(q_out, k_out, q_rstd, k_rstd, beta, dq_out, dk_out, dbeta_out, qk_l2norm,
+                                   beta_scale)
+    from .triton_kernels.bwd import kda_prep_bwd_triton
+
+    return kda_prep_bwd_triton(q_out, k_out, q_rstd, k_rstd, beta, dq_out, dk_out, dbeta_out, qk_l2norm,
+                               beta_scale)
+
+
+def _prep_setup_context(ctx, inputs, output) -> None:
+    _, _, beta, qk_l2norm, beta_scale = inputs
+    q_out, k_out, _, q_rstd, k_rstd = output
+    ctx.qk_l2norm, ctx.beta_scale = qk_l2norm, beta_scale
+    ctx.mark_non_differentiable(q_rstd, k_rstd)
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(q_out, k_out, q_rstd, k_rstd, beta)
+
+
+def _prep_backward(ctx, dq_out, dk_out, dbeta_out, _dq_rstd, _dk_rstd):
+    q_out, k_out, q_rstd, k_rstd, beta = ctx.saved_tensors
+    dq, dk, dbeta = torch.ops.kda_op.kda_prep_bwd(q_out, k_out, q_rstd, k_rstd, beta, dq_out, dk_out, dbeta_out,
+                                                  ctx.qk_l2norm, ctx.beta_scale)
+    return ((dq, dk) if ctx.qk_l2norm else (None, None)) + ((dbeta if ctx.beta_scale > 0 else None), None, None)
+
+
+kda_prep_fwd.register_autograd(_prep_backward, setup_context=_prep_setup_context)

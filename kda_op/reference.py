@@ -168,3 +168,89 @@ def kda_backward_reference(
         dbeta.to(beta.dtype),
         dS.to(dh0_dtype).contiguous(),
     )
+
+
+# ---------------------------------------------------------------------------
+# fla's in-kernel options, as plain PyTorch (the CPU kernels of the option ops,
+# and what the CUDA kernels are tested against). Each backward is written out
+# rather than left to autograd: these run inside op kernels.
+
+#: fla's eps inside the q/k l2 norm: y = x / sqrt(sum(x^2) + eps).
+L2NORM_EPS = 1e-6
+
+
+def l2norm_reference(x: Tensor, eps: float = L2NORM_EPS) -> tuple[Tensor, Tensor]:
+    """Rows of ``x`` (last dim) scaled to unit l2 norm: ``(y in x's dtype, rstd)``
+    with ``rstd = 1 / sqrt(sum(x^2) + eps)`` in the state dtype (fp32, fp64 for fp64)."""
+    acc = state_dtype(x.dtype)
+    xf = x.to(acc)
+    rstd = torch.rsqrt((xf * xf).sum(-1) + eps)
+    return (xf * rstd[..., None]).to(x.dtype), rstd
+
+
+def l2norm_backward_reference(y: Tensor, rstd: Tensor, dy: Tensor) -> Tensor:
+    """d x from the output ``y``, its ``rstd`` and d y: ``rstd (dy - y <dy, y>)``."""
+    acc = rstd.dtype
+    yf, dyf = y.to(acc), dy.to(acc)
+    return (rstd[..., None] * (dyf - yf * (dyf * yf).sum(-1, keepdim=True))).to(y.dtype)
+
+
+def beta_sigmoid_reference(beta: Tensor, scale: float) -> Tensor:
+    """``scale * sigmoid(beta)`` (scale 2 for fla's allow_neg_eigval), in beta's dtype."""
+    acc = state_dtype(beta.dtype)
+    return (scale * torch.sigmoid(beta.to(acc))).to(beta.dtype)
+
+
+def beta_sigmoid_backward_reference(beta: Tensor, dbeta_out: Tensor, scale: float) -> Tensor:
+    """d beta from the raw ``beta`` and d(out), out = scale * sigmoid(beta):
+    ``d(out) * scale * s * (1 - s)``."""
+    acc = state_dtype(beta.dtype)
+    s = torch.sigmoid(beta.to(acc))
+    return (dbeta_out.to(acc) * scale * s * (1 - s)).to(beta.dtype)
+
+
+def kda_gate_reference(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+                       lower_bound: Optional[float]) -> Tensor:
+    """fla's in-kernel gate, from the raw ``g`` [..., HV, K] to the log decay (fp32,
+    fp64 for fp64 ``g``): ``-exp(A_log) * softplus(g + dt_bias)``, or with
+    ``lower_bound`` ``lower_bound * sigmoid(exp(A_log) * (g + dt_bias))``
+    (``A_log`` may then be None: ``lower_bound * sigmoid(g + dt_bias)``).
+    ``A_log`` is [HV], ``dt_bias`` [HV * K] or None."""
+    acc = state_dtype(g.dtype)
+    HV, K = g.shape[-2:]
+    x = g.to(acc)
+    if dt_bias is not None:
+        x = x + dt_bias.to(acc).view(HV, K)
+    a = None if A_log is None else A_log.to(acc).view(HV, 1).exp()
+    if lower_bound is None:
+        return -a * torch.nn.functional.softplus(x)
+    return lower_bound * torch.sigmoid(x if a is None else a * x)
+
+
+def kda_gate_backward_reference(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
+                                lower_bound: Optional[float], dgate: Tensor):
+    """The grads of ``kda_gate_reference``'s inputs from d(gate): ``(dg in g's
+    dtype, dA_log or None, ddt_bias or None)``, the last two summed over every
+    token (and batch row) in fp32 (fp64 for fp64 ``g``)."""
+    acc = state_dtype(g.dtype)
+    HV, K = g.shape[-2:]
+    x = g.to(acc)
+    if dt_bias is not None:
+        x = x + dt_bias.to(acc).view(HV, K)
+    dy = dgate.to(acc)
+    a = None if A_log is None else A_log.to(acc).view(HV, 1).exp()
+    if lower_bound is None:
+        # y = -a softplus(x): dy/dx = -a sigmoid(x); dy/dA_log = y
+        dx = dy * (-a) * torch.sigmoid(x)
+        dlog_a = dy * (-a * torch.nn.functional.softplus(x))
+    else:
+        # y = lb sigmoid(a x): dy/dx = lb s (1 - s) a; dy/dA_log = lb s (1 - s) a x
+        z = x if a is None else a * x
+        s = torch.sigmoid(z)
+        dz = dy * lower_bound * s * (1 - s)
+        dx = dz if a is None else dz * a
+        dlog_a = None if a is None else dz * z
+    sum_dims = tuple(range(g.dim() - 2))
+    dA_log = None if A_log is None else dlog_a.sum(sum_dims + (g.dim() - 1,)).to(A_log.dtype)
+    ddt_bias = None if dt_bias is None else dx.sum(sum_dims).reshape(HV * K).to(dt_bias.dtype)
+    return dx.to(g.dtype), dA_log, ddt_bias

@@ -1,5 +1,5 @@
-"""Fake kernels registered on ``kda_op::chunk_kda_fwd``, ``kda_op::chunk_kda_bwd``
-and ``kda_op::fused_recurrent_kda_fwd``.
+"""Fake kernels registered on ``kda_op::chunk_kda_fwd``, ``kda_op::chunk_kda_bwd``,
+``kda_op::fused_recurrent_kda_fwd``, ``kda_op::kda_prep_fwd`` and ``kda_op::kda_prep_bwd``.
 
 Every real kernel returns fresh contiguous tensors, so these return
 ``new_empty`` tensors of the same shapes and dtypes.
@@ -33,6 +33,10 @@ def chunk_kda_fwd_fake(
     scale: Optional[float],
     initial_state: Optional[Tensor],
     keep_intermediates: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     o, final_state = _output_and_final_state(q, v)
     B, T, _, K = q.shape
@@ -58,7 +62,11 @@ def chunk_kda_bwd_fake(
     do: Tensor,
     dht: Optional[Tensor],
     intermediates: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     B, _, HV, K = g.shape
     V = v.shape[3]
     # dq/dk come back GVA-reduced: [B, T, HV, K] summed over the G value heads
@@ -70,7 +78,11 @@ def chunk_kda_bwd_fake(
     dbeta = beta.new_empty(beta.shape)
     dh0_dtype = state_dtype(q.dtype) if initial_state is None else initial_state.dtype
     dh0 = q.new_empty((B, HV, K, V), dtype=dh0_dtype)
-    return dq, dk, dv, dg, dbeta, dh0
+    # the gate parameters' grads: empty unless the gate is on and the parameter given
+    dA_log = A_log.new_empty(A_log.shape) if use_gate and A_log is not None else q.new_empty((0,), dtype=torch.float32)
+    ddt_bias = (dt_bias.new_empty(dt_bias.shape) if use_gate and dt_bias is not None
+                else q.new_empty((0,), dtype=torch.float32))
+    return dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias
 
 
 @torch.library.register_fake("kda_op::fused_recurrent_kda_fwd")
@@ -82,5 +94,37 @@ def fused_recurrent_kda_fwd_fake(
     beta: Tensor,
     scale: Optional[float],
     initial_state: Optional[Tensor],
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
 ) -> tuple[Tensor, Tensor]:
     return _output_and_final_state(q, v)
+
+
+@torch.library.register_fake("kda_op::kda_prep_fwd")
+def kda_prep_fwd_fake(
+    q: Tensor, k: Tensor, beta: Tensor, qk_l2norm: bool, beta_scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    if qk_l2norm:
+        rstd_dtype = state_dtype(q.dtype)
+        q_out, k_out = q.new_empty(q.shape), k.new_empty(k.shape)
+        q_rstd, k_rstd = q.new_empty(q.shape[:3], dtype=rstd_dtype), k.new_empty(k.shape[:3], dtype=rstd_dtype)
+    else:
+        q_out, k_out, q_rstd, k_rstd = (q.new_empty((0,)) for _ in range(4))
+    beta_out = beta.new_empty(beta.shape) if beta_scale > 0 else q.new_empty((0,))
+    return q_out, k_out, beta_out, q_rstd, k_rstd
+
+
+@torch.library.register_fake("kda_op::kda_prep_bwd")
+def kda_prep_bwd_fake(
+    q_out: Tensor, k_out: Tensor, q_rstd: Tensor, k_rstd: Tensor, beta: Tensor,
+    dq_out: Optional[Tensor], dk_out: Optional[Tensor], dbeta_out: Optional[Tensor],
+    qk_l2norm: bool, beta_scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if qk_l2norm:
+        dq, dk = q_out.new_empty(q_out.shape), k_out.new_empty(k_out.shape)
+    else:
+        dq, dk = q_out.new_empty((0,)), q_out.new_empty((0,))
+    dbeta = beta.new_empty(beta.shape) if beta_scale > 0 else q_out.new_empty((0,))
+    return dq, dk, dbeta

@@ -156,3 +156,21 @@ def _zero_alignment_gaps(buffer: Tensor, layout: list, total: int) -> None:
         end = offset + math.prod(shape) * dtype.itemsize
         if end < next_start:
             buffer[end:next_start].zero_()
+
+
+def _gate_args(gate: Optional[tuple], g: Tensor) -> dict:
+    """The kernels' arguments for fla's in-kernel gate (_gate.py). ``gate`` is
+    None (g is the log decay) or ``(A_log, dt_bias, lower_bound)``: A_log [HV] or
+    None (only with lower_bound), dt_bias [HV * K] or None, lower_bound a float or
+    None (the softplus form). Absent pointers are passed as ``g``, never read."""
+    if gate is None:
+        return dict(A_log=g, dt_bias=g, lower_bound=0.0, GATE=0, HAS_A=False, HAS_BIAS=False)
+    A_log, dt_bias, lower_bound = gate
+    return dict(
+        A_log=g if A_log is None else A_log.contiguous(),
+        dt_bias=g if dt_bias is None else dt_bias.contiguous(),
+        lower_bound=0.0 if lower_bound is None else float(lower_bound),
+        GATE=1 if lower_bound is None else 2,
+        HAS_A=A_log is not None,
+        HAS_BIAS=dt_bias is not None,
+    )

@@ -17,12 +17,13 @@ from torch.profiler import record_function
 
 from .._contract import residual_dtype
 from . import settings as S
-from ._host import _INTERPRET, _dot_precision, _intermediates_views, _layout, _sizes, _steep_dot_precision
+from ._host import _INTERPRET, _dot_precision, _gate_args, _intermediates_views, _layout, _sizes, _steep_dot_precision
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_bwd_a import kda_intra_bwd_a_kernel
 from .intra_bwd_w import kda_intra_bwd_w_kernel
+from .prep import kda_prep_bwd_kernel
 from .settings import BC, BT, MAX_SPLIT
 from .state_bwd import kda_state_bwd_kernel, kda_state_bwd_prep_kernel
 
@@ -31,9 +32,13 @@ def kda_bwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
     chunk_states: Tensor, do: Tensor, dht: Optional[Tensor],
-    intermediates: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Chunked backward: ``(dq, dk, dv, dg, dbeta, dh0)`` as ``chunk_kda_bwd``.
+    intermediates: Optional[Tensor] = None, gate: Optional[tuple] = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Chunked backward: ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)`` as
+    ``chunk_kda_bwd``. With fla's in-kernel gate (``gate``: ``(A_log, dt_bias,
+    lower_bound)``, ``g`` the raw gate) dg is the raw gate's grad, and dA_log /
+    ddt_bias the parameters' (empty where a parameter is absent, and always
+    without the gate).
 
     Takes the intra-chunk quantities from ``intermediates`` (the forward's, when
     it kept them) or recomputes them, then runs the reverse scan and the
@@ -49,17 +54,23 @@ def kda_bwd_triton(
     f32 = dict(device=q.device, dtype=torch.float32)
     dh0_dtype = torch.float32 if initial_state is None else initial_state.dtype
 
+    A_log, dt_bias = (None, None) if gate is None else gate[:2]
+    def empty():  # a fresh one each time: op outputs must not alias each other
+        return q.new_empty(0, dtype=torch.float32)
+
     if B * HV == 0 or NC == 0:
         dh0 = (torch.zeros(B, HV, K, V, **f32) if dht is None else dht.to(torch.float32).clone())
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
-                torch.zeros_like(beta), dh0.to(dh0_dtype))
+                torch.zeros_like(beta), dh0.to(dh0_dtype),
+                empty() if A_log is None else torch.zeros_like(A_log),
+                empty() if dt_bias is None else torch.zeros_like(dt_bias))
 
     prec = _dot_precision(q.dtype)
     if intermediates is not None and intermediates.numel() > 0:
         x = _intermediates_views(intermediates, _layout(q, v)[0])
     else:
         with record_function("kda_op::bwd::intra_recompute"):
-            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True)
+            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True, gate=gate)
     gam, akk, aqk, tm, steep = x["gam"], x["akk"], x["aqk"], x["tm"], x["steep"]
 
     # U' = U - W S0: the forward's own when it kept its intermediates, else made
@@ -117,13 +128,22 @@ def kda_bwd_triton(
         )
     with record_function("kda_op::bwd::intra_through_a"):
         common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
-        args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, scale, T, NC)
+        ga = _gate_args(gate, g)
+        # the gate's partial sums over each chunk's rows (written where GATE)
+        gate_parts = torch.empty(2, B, NC, HV, K, **f32) if gate is not None else None
+        ddt_part, dla_part = (gate_parts[0], gate_parts[1]) if gate is not None else (dg, dg)  # unread without GATE
+        args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg,
+                g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part, scale, T, NC)
+        flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"])
         kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD_A), NC, B * HV)](
-            *args, **common, BKD=S.BKD_A, STEEP=False, num_warps=S.INTRA_BWD_A_WARPS,
+            *args, **common, **flags, BKD=S.BKD_A, STEEP=False, num_warps=S.INTRA_BWD_A_WARPS,
         )
         kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD), NC, B * HV)](
-            *args, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))), BKD=S.BKD, STEEP=True, num_warps=4,
+            *args, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))), **flags, BKD=S.BKD, STEEP=True,
+            num_warps=4,
         )
+        dA_log = empty() if A_log is None else dla_part.sum((0, 1, 3)).to(A_log.dtype)
+        ddt_bias = empty() if dt_bias is None else ddt_part.sum((0, 1)).reshape(HV * K).to(dt_bias.dtype)
     with record_function("kda_op::bwd::gva_reduce"):
         # GVA: sum the G value heads of each key head, scale dq, cast: one pass.
         dq = torch.empty_like(q)
@@ -132,4 +152,37 @@ def kda_bwd_triton(
         kda_gva_reduce_kernel[(triton.cdiv(R, S.GVA_ROWS),)](
             dq_e, dk_e, dq, dk, scale, R, G=G, K=K, BR=S.GVA_ROWS, BK=triton.next_power_of_2(K), num_warps=4,
         )
-    return dq, dk, dv, dg, dbeta, dh0.to(dh0_dtype)
+    return dq, dk, dv, dg, dbeta, dh0.to(dh0_dtype), dA_log, ddt_bias
+
+
+def kda_prep_bwd_triton(q_out: Tensor, k_out: Tensor, q_rstd: Tensor, k_rstd: Tensor, beta: Tensor,
+                        dq_out: Optional[Tensor], dk_out: Optional[Tensor], dbeta_out: Optional[Tensor],
+                        qk_l2norm: bool, beta_scale: float):
+    """``kda_op::kda_prep_bwd`` in one launch (prep.py); a grad that is None is zero."""
+    B, T, H, K = q_out.shape if qk_l2norm else (*beta.shape[:2], 1, 1)
+    H = H if qk_l2norm else beta.shape[2]
+    G = beta.shape[2] // H
+    def empty():  # fresh, q's dtype (the fake kernel's): op outputs must not alias
+        return q_out.new_empty(0)
+
+    if qk_l2norm:
+        q_out, k_out, q_rstd, k_rstd = (x.contiguous() for x in (q_out, k_out, q_rstd, k_rstd))
+        dq_out = torch.zeros_like(q_out) if dq_out is None else dq_out.contiguous()
+        dk_out = torch.zeros_like(k_out) if dk_out is None else dk_out.contiguous()
+        dq, dk = torch.empty_like(q_out), torch.empty_like(k_out)
+    else:
+        dq, dk, dq_out, dk_out = empty(), empty(), empty(), empty()
+    if beta_scale > 0:
+        beta = beta.contiguous()
+        dbeta_out = torch.zeros_like(beta) if dbeta_out is None else dbeta_out.contiguous()
+        dbeta = torch.empty_like(beta)
+    else:
+        dbeta, dbeta_out = empty(), empty()
+    R = B * T * H
+    if R > 0:
+        kda_prep_bwd_kernel[(triton.cdiv(R, S.PREP_ROWS),)](
+            q_out, k_out, q_rstd, k_rstd, beta, dq_out, dk_out, dbeta_out, dq, dk, dbeta, R, float(beta_scale),
+            K=K, G=G, BK=triton.next_power_of_2(K), BR=S.PREP_ROWS, BB=triton.next_power_of_2(S.PREP_ROWS * G), L2NORM=qk_l2norm, SIGMOID=beta_scale > 0,
+            num_warps=S.PREP_WARPS,
+        )
+    return dq, dk, dbeta

@@ -13,21 +13,22 @@ import triton
 from torch import Tensor
 
 from . import settings as S
-from ._host import _check_grid, _check_offsets
+from ._host import _check_grid, _check_offsets, _gate_args
 from .recurrent_fwd import kda_recurrent_fwd_kernel
 
 
 def kda_recurrent_fwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
-    final_state_out: Optional[Tensor] = None,
+    final_state_out: Optional[Tensor] = None, gate: Optional[tuple] = None,
 ) -> tuple[Tensor, Tensor]:
     """Token-by-token forward for decoding: ``(o, final_state)`` as
     ``fused_recurrent_kda_fwd``. ``final_state_out`` (internal, not reachable from
     the ops): a contiguous fp32 ``[B, HV, K, V]`` tensor to write the final state
     into, which may be ``initial_state`` itself (each program reads its state tile
     whole before it writes it back); the benchmark times the in-place update
-    with it."""
+    with it. ``gate``: None, or fla's in-kernel gate ``(A_log, dt_bias,
+    lower_bound)`` with ``g`` the raw gate (``_host._gate_args``)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -49,10 +50,12 @@ def kda_recurrent_fwd_triton(
     BK = max(16, triton.next_power_of_2(K))
     # Small V blocks: more programs in flight to hide the state's memory traffic.
     BV = min(S.RECURRENT_BV, max(16, triton.next_power_of_2(V)))
+    ga = _gate_args(gate, g)
     kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
-        q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, scale, T, H, HV,
+        q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
+        scale, T, H, HV,
         K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
-        INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS),
+        INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
         num_warps=S.RECURRENT_WARPS, **({} if S.RECURRENT_MAXNREG is None else dict(maxnreg=S.RECURRENT_MAXNREG)),
     )
     return o, ht

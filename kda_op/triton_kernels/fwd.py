@@ -16,23 +16,28 @@ import triton
 from torch import Tensor
 from torch.profiler import record_function
 
+from ..reference import L2NORM_EPS
 from .._contract import aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _SERVES, _dot_precision, _intermediates_views, _kernel, _layout, _sizes,
+from ._host import (_INTERPRET, _gate_args, _SERVES, _dot_precision, _intermediates_views, _kernel, _layout, _sizes,
                     _steep_dot_precision, _zero_alignment_gaps)
 from .decode import kda_recurrent_fwd_triton
 from .gam_fwd import kda_gam_fwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
 from .intra_wu_fwd import kda_intra_wu_fwd_kernel
 from .output_fwd import kda_output_fwd_kernel
+from .prep import kda_prep_fwd_kernel
 from .settings import BC, BT, MAX_SPLIT
 from .state_fwd import kda_state_fwd_kernel
 
 
-def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] = None, traced: bool = False):
+def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] = None, traced: bool = False,
+               gate: Optional[tuple] = None):
     """Stage 1 of the forward (and of the backward's recompute): gam, the A's, Tm
     (when ``store_tm``), W, U, Qg, Kr and the steep flags, into the tensors of
-    ``out`` where given (views of the kept intermediates), else fresh ones."""
+    ``out`` where given (views of the kept intermediates), else fresh ones.
+    ``gate``: fla's in-kernel gate (``_host._gate_args``), applied by gam_fwd.py,
+    which then runs whatever INTRA_GAM_KERNEL says."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     f32 = dict(device=q.device, dtype=torch.float32)
     prec = _dot_precision(q.dtype)
@@ -56,10 +61,12 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
     regs = dict(maxnreg=S.INTRA_A_FWD_MAXNREG) if S.INTRA_A_FWD_MAXNREG else {}
-    gam_kernel = bool(S.INTRA_GAM_KERNEL)
+    gam_kernel = bool(S.INTRA_GAM_KERNEL) or gate is not None
     if gam_kernel:
+        ga = _gate_args(gate, g)
         _kernel(kda_gam_fwd_kernel, traced)[(NC, B * HV, triton.cdiv(K, S.BKG))](
-            g, gam, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BKG=S.BKG, num_warps=S.GAM_WARPS,
+            g, gam, ga["A_log"], ga["dt_bias"], ga["lower_bound"], T, NC, H=s["H"], HV=HV, K=K, BT=BT, BKG=S.BKG,
+            GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], num_warps=S.GAM_WARPS,
         )
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
         q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=S.BKA, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
@@ -82,12 +89,14 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
 def kda_fwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
-    keep_intermediates: bool = False,
+    keep_intermediates: bool = False, gate: Optional[tuple] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Chunked forward: ``(o, final_state, chunk_states, intermediates)`` as
     ``chunk_kda_fwd``. ``intermediates`` is the flat uint8 buffer of
     ``kda_op._contract.intermediates_layout`` when ``keep_intermediates``, else
-    empty; with it the backward skips recomputing the intra-chunk stage."""
+    empty; with it the backward skips recomputing the intra-chunk stage.
+    ``gate``: None, or fla's in-kernel gate ``(A_log, dt_bias, lower_bound)``
+    with ``g`` the raw gate (``_host._gate_args``)."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     s = _sizes(q, v)
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
@@ -104,7 +113,7 @@ def kda_fwd_triton(
     # chunked intermediates.
     if 0 < T <= S.RECURRENT_MAX_T and not keep_intermediates:
         with record_function("kda_op::fwd::recurrent"):
-            o, ht = kda_recurrent_fwd_triton(q, k, v, g, beta, scale, h0)
+            o, ht = kda_recurrent_fwd_triton(q, k, v, g, beta, scale, h0, gate=gate)
         if h0 is None:
             chunk_states[:, 0].zero_()
         else:
@@ -119,7 +128,7 @@ def kda_fwd_triton(
     if NC > 0:
         with record_function("kda_op::fwd::intra"):
             kept = _intermediates_views(intermediates, layout) if keep_intermediates else None
-            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept)
+            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept, gate=gate)
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     up = kept["up"] if keep_intermediates and NC > 0 else torch.empty(B, T, HV, V, device=q.device,
@@ -157,7 +166,7 @@ def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, p
 
 def kda_fwd_triton_export(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-    scale: Optional[float], initial_state: Optional[Tensor],
+    scale: Optional[float], initial_state: Optional[Tensor], gate: Optional[tuple] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The chunked forward as host code that torch.export and inductor can trace
     (the body of ``kda_op::chunk_kda_fwd_export``): ``(o, final_state,
@@ -178,8 +187,31 @@ def kda_fwd_triton_export(
     chunk_states = torch.empty(B, NC + 1, HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
     ht = torch.empty(B, HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True)
+    x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True, gate=gate)
     up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=True)
     _output_fwd(x, up, chunk_states, o, s, prec, traced=True)
     return o, ht, chunk_states
+
+
+def kda_prep_fwd_triton(q: Tensor, k: Tensor, beta: Tensor, qk_l2norm: bool, beta_scale: float):
+    """``kda_op::kda_prep_fwd`` in one launch (prep.py): q/k rows to unit l2 norm
+    and ``beta_scale * sigmoid(beta)``, each where asked."""
+    q, k, beta = (x.contiguous() for x in (q, k, beta))
+    B, T, H, K = q.shape
+    G = beta.shape[2] // H
+    f32 = dict(device=q.device, dtype=torch.float32)
+    if qk_l2norm:
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        q_rstd, k_rstd = torch.empty(B, T, H, **f32), torch.empty(B, T, H, **f32)
+    else:  # fresh empties: op outputs must not alias each other
+        q_out, k_out, q_rstd, k_rstd = (q.new_empty(0) for _ in range(4))
+    beta_out = torch.empty_like(beta) if beta_scale > 0 else q.new_empty(0)
+    R = B * T * H
+    if R > 0:
+        kda_prep_fwd_kernel[(triton.cdiv(R, S.PREP_ROWS),)](
+            q, k, beta, q_out, k_out, beta_out, q_rstd, k_rstd, R, L2NORM_EPS, float(beta_scale),
+            K=K, G=G, BK=triton.next_power_of_2(K), BR=S.PREP_ROWS, BB=triton.next_power_of_2(S.PREP_ROWS * G), L2NORM=qk_l2norm, SIGMOID=beta_scale > 0,
+            num_warps=S.PREP_WARPS,
+        )
+    return q_out, k_out, beta_out, q_rstd, k_rstd

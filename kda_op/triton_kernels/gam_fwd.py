@@ -5,6 +5,9 @@ gam buffer [B, NC*BT, HV, K] (rows past T load g = 0, so they repeat the last
 gam) in fp32, so that intra_a_fwd.py reads gam, and the chunk's middle and last
 rows as plain vector loads, instead of forming them with a cross-warp scan and
 two cross-warp reductions for every K slice.
+
+With fla's in-kernel gate (GATE > 0, _gate.py) g is the raw gate and the log
+decay is formed here, on the way into the cumsum, so it is never stored.
 """
 
 from __future__ import annotations
@@ -12,15 +15,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._gate import gate_fwd, gate_params
 from ._indexing import sequence_and_heads
 
 
 @triton.jit
 def kda_gam_fwd_kernel(
-    g, gam,
+    g, gam, A_log, dt_bias, lower_bound,
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKG: tl.constexpr,
+    GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
 ):
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -34,5 +39,10 @@ def kda_gam_fwd_kernel(
     o_k = i_k * BKG + tl.arange(0, BKG)
     m_k = o_k < K
     p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
-    b_g = tl.load(g + p_tk, mask=(o_t < T)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+    m_tk = (o_t < T)[:, None] & m_k[None, :]
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    if GATE:
+        b_a, b_bias = gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, HAS_A, HAS_BIAS)
+        # padded rows stay 0 (the gate of 0 is not 0)
+        b_g = tl.where(m_tk, gate_fwd(b_g, b_a, b_bias, lower_bound, GATE), 0.0)
     tl.store(gam + p_tk, tl.cumsum(b_g, axis=0), mask=m_k[None, :])

@@ -11,6 +11,11 @@ The chunks the forward split at their middle row (steep = 0, intra_a_fwd.py) go
 the same way back: four [BT, BT] x [BT, BKD] dots (STEEP = False). The steep ones
 use the forward's sub-blocks and reference rows, in a separate launch of the
 kernel compiled with STEEP = True, so that the common variant stays small.
+
+With fla's in-kernel gate (GATE > 0, _gate.py) dg goes on through the gate: the
+kernel writes d(raw g) and, per (chunk, head, column), the partial sums over the
+chunk's rows of d(dt_bias) and d(A_log) (ddt_part, dla_part [B, NC, HV, K]),
+which the host sums.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._gate import gate_bwd, gate_params
 from ._indexing import sequence_and_heads
 
 
@@ -25,11 +31,13 @@ from ._indexing import sequence_and_heads
 def kda_intra_bwd_a_kernel(
     q, k, gam, dakk, daqk, dgam_last, steep,
     dq, dk, dgam, dg,
+    g, A_log, dt_bias, lower_bound, ddt_part, dla_part,
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
     STEEP: tl.constexpr, DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
+    GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
 ):
     """STEEP = False: the chunks the forward split at their middle row (the others
     return at once); STEEP = True: the steep ones, with sub-blocks."""
@@ -56,6 +64,11 @@ def kda_intra_bwd_a_kernel(
 
     o_s = i_s * BKD + tl.arange(0, BKD)
     m_s = o_s < K
+    if GATE:
+        g += (bos * HV + i_hv) * K  # the raw gate: dg's layout
+        ddt_part += ((i_b * NC + i_c) * HV + i_hv) * K
+        dla_part += ((i_b * NC + i_c) * HV + i_hv) * K
+        b_ga, b_gbias = gate_params(A_log, dt_bias, i_hv, o_s, m_s, K, HAS_A, HAS_BIAS)
     if not STEEP:
         if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) == 0:
             # Split at the middle row m as the forward did: every factor lies within
@@ -86,6 +99,11 @@ def kda_intra_bwd_a_kernel(
             b_dgam = tl.load(dgam + row_ts, mask=m_ts, other=0.0) + b_q * b_tq + b_k * (b_tk - b_tkj)
             # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
             b_dg = tl.cumsum(b_dgam, 0, reverse=True) + tl.load(dgam_last + o_s, mask=m_s, other=0.0)[None, :]
+            if GATE:
+                b_graw = tl.load(g + row_ts, mask=m_ts, other=0.0).to(tl.float32)
+                b_dg, b_dla = gate_bwd(b_dg, b_graw, b_ga, b_gbias, lower_bound, GATE)
+                tl.store(ddt_part + o_s, tl.sum(tl.where(m_ts, b_dg, 0.0), 0), mask=m_s)
+                tl.store(dla_part + o_s, tl.sum(tl.where(m_ts, b_dla, 0.0), 0), mask=m_s)
             tl.store(dq + row_ts, b_dq, mask=m_ts)
             tl.store(dk + row_ts, b_dk, mask=m_ts)
             tl.store(dg + row_ts, b_dg.to(dg.dtype.element_ty), mask=m_ts)
@@ -94,6 +112,8 @@ def kda_intra_bwd_a_kernel(
         causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
         if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) != 0:
             b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
+            b_ddt = tl.zeros([BKD], dtype=tl.float32)  # the gate's partial sums (GATE)
+            b_dla_sum = tl.zeros([BKD], dtype=tl.float32)
             for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
                 o_i = t0 + i_i * BC + o_c
                 m_i = o_i < T
@@ -172,6 +192,14 @@ def kda_intra_bwd_a_kernel(
                 # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
                 b_dgt = tl.cumsum(b_dgi, 0, reverse=True) + b_carry[None, :]
                 b_carry += tl.sum(b_dgi, 0)
+                if GATE:
+                    b_graw = tl.load(g + row_is, mask=m_is, other=0.0).to(tl.float32)
+                    b_dgt, b_dla = gate_bwd(b_dgt, b_graw, b_ga, b_gbias, lower_bound, GATE)
+                    b_ddt += tl.sum(tl.where(m_is, b_dgt, 0.0), 0)
+                    b_dla_sum += tl.sum(tl.where(m_is, b_dla, 0.0), 0)
                 tl.store(dq + row_is, b_dqi, mask=m_is)
                 tl.store(dk + row_is, b_dki, mask=m_is)
                 tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)
+            if GATE:
+                tl.store(ddt_part + o_s, b_ddt, mask=m_s)
+                tl.store(dla_part + o_s, b_dla_sum, mask=m_s)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._gate import gate_fwd, gate_params
 from ._indexing import sequence_and_heads
 
 
@@ -18,12 +19,15 @@ from ._indexing import sequence_and_heads
 def kda_recurrent_fwd_kernel(
     q, k, v, g, beta, h0,
     o, ht,
+    A_log, dt_bias, lower_bound,
     scale, T,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STREAM_HINTS: tl.constexpr = False, INPUT_HINTS: tl.constexpr = False,
+    GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
 ):
+    # GATE: fla's in-kernel gate (_gate.py) on each token's raw g
     # STREAM_HINTS: the state is read once and written once, never reused by this
     # launch: load it evict-first and store it streaming (.cs), keeping L2 for q,
     # k, g, v of the other programs. INPUT_HINTS: q, k and g, which the programs of
@@ -69,6 +73,9 @@ def kda_recurrent_fwd_kernel(
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
+    if GATE:
+        b_ga, b_gbias = gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, HAS_A, HAS_BIAS)
+
     for t in range(T):
         row_qk = t * (H * K) + o_k
         row_hv = t * HV
@@ -79,6 +86,8 @@ def kda_recurrent_fwd_kernel(
         b_beta = tl.load(beta + row_hv).to(tl.float32)
         b_v = tl.load(v + row_hv * V + o_v, mask=m_v, other=0.0, eviction_policy=once).to(tl.float32)
 
+        if GATE:
+            b_g = tl.sum(gate_fwd(b_g[None, :], b_ga, b_gbias, lower_bound, GATE), 0)
         b_s = b_s * tl.exp(b_g)[:, None]
         b_r = b_v - tl.sum(b_k[:, None] * b_s, 0)
         b_s += (b_beta * b_k)[:, None] * b_r[None, :]

@@ -187,3 +187,7 @@ STEEP_DOT_PREC_FP32 = "ieee"
 # CUDA grids allow at most 65535 programs along their second and third axes, where
 # the kernels put B * HV (and, in the backward's K-sliced kernels, the chunks).
 MAX_GRID_YZ = 65535
+# prep.py (fla's q/k l2 norm and beta sigmoid, one launch each way): rows of q
+# and k per program and warps. Not timed yet.
+PREP_ROWS = 16
+PREP_WARPS = 4

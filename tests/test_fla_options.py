@@ -1,0 +1,373 @@
+"""fla 0.6's call surface: the in-kernel options (q/k l2 norm, gate, beta sigmoid,
+state_v_first), fla's keywords and their rules.
+
+Oracle: tests/naive.py's loop with the options written out here in plain
+PyTorch and differentiated by autograd (independent of kda_op.reference's
+option functions), in fp64."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from naive import naive_kda
+from kda_op import CHUNK_SIZE, chunk_kda, fused_recurrent_kda
+
+# (l2norm, gate, beta sigmoid scale): gate is None, "softplus", ("lb", bound) or
+# ("lb-noA", bound); sigmoid scale 0 (off), 1 or 2 (allow_neg_eigval)
+OPTIONS = [
+    (True, "softplus", 1.0),          # fla's layer without safe_gate
+    (True, ("lb", -5.0), 2.0),        # safe_gate style, negative eigenvalues
+    (False, ("lb-noA", -3.0), 0.0),   # lower_bound without A_log
+    (True, None, 0.0),
+    (False, None, 1.0),
+    (False, "softplus", 0.0),
+]
+
+
+def _raw_inputs(B, T, H, G, K, V, seed, dtype=torch.float64, with_bias=True, with_h0=True):
+    """Raw (pre-option) inputs: q, k unnormalised, g and beta as logits, A_log, dt_bias."""
+    gen = torch.Generator().manual_seed(seed)
+    HV = H * G
+
+    def randn(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=gen, dtype=torch.float64)).to(dtype)
+
+    return dict(
+        q=randn(B, T, H, K, scale=2.0), k=randn(B, T, H, K, scale=2.0), v=randn(B, T, HV, V),
+        g=randn(B, T, HV, K), beta=randn(B, T, HV),
+        A_log=randn(HV, scale=0.5), dt_bias=randn(HV * K, scale=0.5) if with_bias else None,
+        initial_state=randn(B, HV, K, V).float() if with_h0 and dtype != torch.float64
+        else (randn(B, HV, K, V) if with_h0 else None),
+    )
+
+
+def _naive_with_options(x, l2norm, gate, beta_scale, state_v_first=False):
+    """The options in plain PyTorch, then the naive loop."""
+    q, k, g, beta = x["q"], x["k"], x["g"], x["beta"]
+    HV, K = g.shape[2:]
+    if l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    if gate is not None:
+        z = g + (0 if x["dt_bias"] is None else x["dt_bias"].view(HV, K))
+        if gate == "softplus":
+            g = -torch.exp(x["A_log"]).view(HV, 1) * F.softplus(z)
+        elif gate[0] == "lb":
+            g = gate[1] * torch.sigmoid(torch.exp(x["A_log"]).view(HV, 1) * z)
+        else:
+            g = gate[1] * torch.sigmoid(z)
+    if beta_scale:
+        beta = beta_scale * torch.sigmoid(beta)
+    h0 = x["initial_state"]
+    if h0 is not None and state_v_first:
+        h0 = h0.transpose(-1, -2)
+    o, ht = naive_kda(q, k, x["v"], g, beta, None, h0)
+    return o, (ht.transpose(-1, -2) if state_v_first else ht)
+
+
+def _option_kwargs(x, l2norm, gate, beta_scale):
+    kw = dict(use_qk_l2norm_in_kernel=l2norm, use_beta_sigmoid_in_kernel=beta_scale > 0,
+              allow_neg_eigval=beta_scale == 2.0)
+    if gate is not None:
+        kw.update(use_gate_in_kernel=True, dt_bias=x["dt_bias"])
+        if gate == "softplus":
+            kw.update(A_log=x["A_log"])
+        else:
+            kw.update(lower_bound=gate[1], A_log=x["A_log"] if gate[0] == "lb" else None)
+    return kw
+
+
+def _grad_names(x, gate):
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+    if gate is not None:
+        if x["dt_bias"] is not None:
+            names.append("dt_bias")
+        if gate == "softplus" or gate[0] == "lb":
+            names.append("A_log")
+    return names
+
+
+def _compare(fn, x, l2norm, gate, beta_scale, state_v_first=False, tol=1e-10):
+    names = _grad_names(x, gate)
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in x if x[n] is not None}
+    if state_v_first:
+        leaves["initial_state"] = leaves["initial_state"].detach().transpose(-1, -2).contiguous().requires_grad_()
+    xs = dict(x, **leaves)
+    o, ht = fn(xs["q"], xs["k"], xs["v"], xs["g"], xs["beta"], initial_state=xs["initial_state"],
+               output_final_state=True, state_v_first=state_v_first, **_option_kwargs(xs, l2norm, gate, beta_scale))
+    gen = torch.Generator().manual_seed(1)
+    do, dht = torch.randn(o.shape, generator=gen, dtype=o.dtype), torch.randn(ht.shape, generator=gen,
+                                                                            dtype=ht.dtype)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [leaves[n] for n in names])
+
+    ref_leaves = {n: x[n].detach().clone().requires_grad_() for n in x if x[n] is not None}
+    if state_v_first:
+        ref_leaves["initial_state"] = leaves["initial_state"].detach().clone().requires_grad_()
+    o_ref, ht_ref = _naive_with_options(dict(x, **ref_leaves), l2norm, gate, beta_scale, state_v_first)
+    grads_ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), [ref_leaves[n] for n in names])
+    assert ht.shape == ht_ref.shape and ht.is_contiguous()
+    torch.testing.assert_close(o, o_ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(ht, ht_ref, rtol=tol, atol=tol)
+    for name, got, want in zip(names, grads, grads_ref):
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=lambda m: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("l2norm,gate,beta_scale", OPTIONS)
+def test_chunk_kda_options_match_naive(l2norm, gate, beta_scale):
+    x = _raw_inputs(B=2, T=CHUNK_SIZE + 6, H=2, G=2, K=8, V=6, seed=3)
+    _compare(chunk_kda, x, l2norm, gate, beta_scale)
+
+
+@pytest.mark.parametrize("l2norm,gate,beta_scale", OPTIONS[:3])
+def test_fused_recurrent_kda_options_match_naive(l2norm, gate, beta_scale):
+    x = _raw_inputs(B=2, T=9, H=1, G=2, K=8, V=6, seed=4)
+    _compare(fused_recurrent_kda, x, l2norm, gate, beta_scale)
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+def test_state_v_first(fn):
+    x = _raw_inputs(B=1, T=20, H=1, G=2, K=8, V=4, seed=5)
+    _compare(fn, x, True, "softplus", 1.0, state_v_first=True)
+
+
+def test_gate_without_dt_bias():
+    x = _raw_inputs(B=1, T=CHUNK_SIZE + 1, H=1, G=1, K=4, V=4, seed=6, with_bias=False)
+    _compare(chunk_kda, x, False, "softplus", 0.0)
+
+
+def test_gradcheck_through_the_options():
+    """fp64 gradcheck of chunk_kda with every option on, A_log and dt_bias included."""
+    x = _raw_inputs(B=1, T=5, H=1, G=2, K=3, V=2, seed=7)
+    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"]
+    leaves = [x[n].detach().clone().requires_grad_() for n in names]
+
+    def f(q, k, v, g, beta, A_log, dt_bias, h0):
+        return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True,
+                         use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True,
+                         A_log=A_log, dt_bias=dt_bias, lower_bound=-4.0, safe_gate=True)
+
+    assert torch.autograd.gradcheck(f, leaves, eps=1e-6, atol=1e-7)
+
+
+def test_chunk_size_and_disable_recompute_change_nothing():
+    """chunk_size (fla's **kwargs) is accepted at 32 and 64 and disable_recompute
+    at both values: kda-op's kernels cut 64-token chunks whatever fla's would."""
+    x = _raw_inputs(B=1, T=40, H=1, G=1, K=4, V=4, seed=8)
+    base = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                     output_final_state=True, use_qk_l2norm_in_kernel=True)
+    for kw in (dict(chunk_size=32), dict(chunk_size=64), dict(disable_recompute=True)):
+        got = chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                        output_final_state=True, use_qk_l2norm_in_kernel=True, **kw)
+        for a, b in zip(got, base):
+            assert torch.equal(a, b), kw
+
+
+def test_positional_order_is_fla():
+    """The first eight positional arguments are fla's: chunk_kda's (..., scale,
+    initial_state, output_final_state), fused_recurrent_kda's (..., A_log,
+    dt_bias, scale)."""
+    x = _raw_inputs(B=1, T=6, H=1, G=1, K=4, V=4, seed=9)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    o1, h1 = chunk_kda(*args, 0.3, x["initial_state"], True)
+    o2, h2 = chunk_kda(*args, scale=0.3, initial_state=x["initial_state"], output_final_state=True)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    o3, h3 = fused_recurrent_kda(*args, x["A_log"], x["dt_bias"], 0.3, x["initial_state"], True,
+                                 use_gate_in_kernel=True)
+    o4, h4 = fused_recurrent_kda(*args, scale=0.3, initial_state=x["initial_state"], output_final_state=True,
+                                 use_gate_in_kernel=True, A_log=x["A_log"], dt_bias=x["dt_bias"])
+    assert torch.equal(o3, o4) and torch.equal(h3, h4)
+
+
+def test_transpose_state_layout_is_fla_deprecated_alias():
+    x = _raw_inputs(B=1, T=6, H=1, G=1, K=4, V=3, seed=10)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    h0 = x["initial_state"].transpose(-1, -2).contiguous()
+    want = chunk_kda(*args, initial_state=h0, output_final_state=True, state_v_first=True)
+    with pytest.warns(DeprecationWarning, match="state_v_first"):
+        got = chunk_kda(*args, initial_state=h0, output_final_state=True, transpose_state_layout=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    with pytest.raises(ValueError, match="transpose_state_layout"):
+        chunk_kda(*args, state_v_first=True, transpose_state_layout=True)
+
+
+# -- errors -----------------------------------------------------------------
+
+def _args(seed=11):
+    x = _raw_inputs(B=1, T=6, H=2, G=2, K=4, V=3, seed=seed)
+    return (x["q"], x["k"], x["v"], x["g"], x["beta"]), x
+
+
+@pytest.mark.parametrize("kwargs,error,match", [
+    (dict(use_gate_in_kernel=True), ValueError, "needs A_log"),
+    (dict(A_log=torch.zeros(4, dtype=torch.float64)), ValueError, "use_gate_in_kernel is False"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(3, dtype=torch.float64)), ValueError, r"A_log must be \[HV\]"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(4, dtype=torch.int64)), TypeError, "A_log must have a floating"),
+    (dict(use_gate_in_kernel=True, A_log=[0.0] * 4), TypeError, "A_log must be a torch.Tensor"),
+    (dict(use_gate_in_kernel=True, A_log=torch.zeros(4, dtype=torch.float64),
+          dt_bias=torch.zeros(4 * 4 + 1, dtype=torch.float64)), ValueError, r"dt_bias must be \[HV \* K\]"),
+    (dict(use_gate_in_kernel=True, safe_gate=True, A_log=torch.zeros(4, dtype=torch.float64)), ValueError,
+     "needs lower_bound"),
+    (dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-6.0), ValueError, r"\[-5, 0\)"),
+    (dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=0.0), ValueError, r"\[-5, 0\)"),
+    (dict(use_gate_in_kernel=True, lower_bound=float("nan")), ValueError, "lower_bound must be finite"),
+    (dict(use_gate_in_kernel=True, lower_bound="-5"), TypeError, "lower_bound must be a float"),
+    (dict(allow_neg_eigval=True), ValueError, "requires use_beta_sigmoid_in_kernel"),
+    (dict(chunk_size=16), ValueError, "chunk_size must be 32 or 64"),
+    (dict(use_qk_l2norm_in_kernel=1), TypeError, "use_qk_l2norm_in_kernel must be a bool"),
+    (dict(state_v_first="yes"), TypeError, "state_v_first must be a bool"),
+    (dict(disable_recompute=True, recompute_in_backward=True), ValueError, "contradicts"),
+    (dict(initial_state=torch.zeros(1, 4, 4, 3, dtype=torch.float64), state_v_first=True), ValueError,
+     r"\[B, HV, V, K\] \(state_v_first\) = \(1, 4, 3, 4\), got shape \(1, 4, 4, 3\)"),
+    (dict(use_qk_l2norm_in_kernels=True), TypeError, "unexpected keyword argument 'use_qk_l2norm_in_kernels'"),
+    (dict(cp_context=object()), NotImplementedError, "context parallelism"),
+    (dict(use_graph=True), NotImplementedError, "use_graph"),
+    (dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
+    (dict(cu_seqlens=torch.tensor([0, 6])), NotImplementedError, "variable-length"),
+    (dict(ssm_state_indices=torch.tensor([0])), NotImplementedError, "state pool"),
+])
+def test_chunk_kda_refuses(kwargs, error, match):
+    args, _ = _args()
+    with pytest.raises(error, match=match):
+        chunk_kda(*args, **kwargs)
+
+
+def test_fused_recurrent_kda_refuses():
+    args, x = _args()
+    with pytest.raises(NotImplementedError, match="state pool"):
+        fused_recurrent_kda(*args, inplace_final_state=True)
+    with pytest.raises(NotImplementedError, match="variable-length"):
+        fused_recurrent_kda(*args, cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_size'"):
+        fused_recurrent_kda(*args, chunk_size=64)
+    with pytest.raises(ValueError, match="needs A_log"):
+        fused_recurrent_kda(*args, use_gate_in_kernel=True)
+    # The later work's keywords at their defaults are accepted, as fla's callers pass them.
+    o, _ = fused_recurrent_kda(*args, ssm_state_indices=None, inplace_final_state=False)
+    assert o.shape == x["v"].shape
+
+
+def test_no_input_is_modified():
+    args, x = _args(seed=12)
+    before = {n: t.clone() for n, t in x.items() if t is not None}
+    chunk_kda(*args, initial_state=x["initial_state"], use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+              A_log=x["A_log"], dt_bias=x["dt_bias"], use_beta_sigmoid_in_kernel=True)
+    for n, t in before.items():
+        assert torch.equal(x[n], t), n
+
+
+# -- the Triton kernels with the options (interpreter on CPU, CUDA on a GPU) --
+
+def _triton_or_skip():
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    return device
+
+
+# fp32; on a GPU the dots run as 3xTF32 (about fp32) and the chunked form sums in
+# another order than the token loop (as tests/test_triton_kernels.py)
+FP32_TOL = dict(rtol=2e-4, atol=2e-5)
+
+
+def _gate_tuple(x, gate):
+    if gate == "softplus":
+        return (x["A_log"], x["dt_bias"], None)
+    return (x["A_log"] if gate[0] == "lb" else None, x["dt_bias"], gate[1])
+
+
+@pytest.mark.parametrize("T,gate,steep_a", [
+    (CHUNK_SIZE + 19, "softplus", 0.0),
+    (CHUNK_SIZE + 19, ("lb", -5.0), 3.0),      # exp(A_log) ~ 20: gates near -5, steep chunks
+    (2 * CHUNK_SIZE, ("lb-noA", -2.0), 0.0),
+    (5, "softplus", 0.0),                     # the recurrent kernel (T <= RECURRENT_MAX_T)
+])
+def test_triton_gate_matches_reference(T, gate, steep_a):
+    """gam_fwd.py (forward and the backward's recompute), recurrent_fwd.py and
+    intra_bwd_a.py (both launches) with the gate, against the reference op."""
+    device = _triton_or_skip()
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import kda_bwd_triton, kda_fwd_triton
+
+    x = _raw_inputs(B=1, T=T, H=2, G=2, K=24, V=20, seed=13, dtype=torch.float32)
+    x["k"] = F.normalize(x["k"], dim=-1)
+    x["beta"] = torch.sigmoid(x["beta"])
+    if steep_a:  # value heads 0, 1: gates near lower_bound (steep chunks); 2, 3: near 0
+        x["A_log"][:2] += steep_a
+        x["g"][:, :, 2:] -= 8.0
+    x = {n: (t.to(device) if t is not None else None) for n, t in x.items()}
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    h0, gate_t = x["initial_state"], _gate_tuple(x, gate)
+    cpu = {n: (t.cpu() if t is not None else None) for n, t in x.items()}
+    cpu_args, cpu_gate = [cpu[n] for n in ("q", "k", "v", "g", "beta")], _gate_tuple(cpu, gate)
+
+    o, ht, cs, _ = kda_fwd_triton(*args, None, h0, gate=gate_t)
+    o_ref, ht_ref, cs_ref, _ = _reference_fwd(*cpu_args, None, cpu["initial_state"], cpu_gate)
+    torch.testing.assert_close(o.cpu(), o_ref, **FP32_TOL)
+    torch.testing.assert_close(ht.cpu(), ht_ref, **FP32_TOL)
+    if T <= 16:
+        return  # the recurrent kernel has no backward of its own
+    gen = torch.Generator().manual_seed(2)
+    do, dht = torch.randn(o.shape, generator=gen), torch.randn(ht.shape, generator=gen)
+    want = _reference_bwd(*cpu_args, None, cpu["initial_state"], cs_ref, do, dht, cpu_gate)
+    _, _, cs_kept, kept = kda_fwd_triton(*args, None, h0, keep_intermediates=True, gate=gate_t)
+    for intermediates in (None, kept):
+        got = kda_bwd_triton(*args, None, h0, cs_kept, do.to(device), dht.to(device), intermediates, gate=gate_t)
+        names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+        for name, a, b in zip(names, got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            # dA_log and ddt_bias sum dg over every token: relative to their size
+            torch.testing.assert_close(a.cpu(), b, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+    if steep_a:
+        from kda_op.triton_kernels.fwd import _intra_fwd
+        from kda_op.triton_kernels._host import _sizes
+
+        flags = _intra_fwd(*args, 24 ** -0.5, _sizes(args[0], args[2]), store_tm=False, gate=gate_t)["steep"]
+        assert flags.any() and not flags.all()  # both launches of intra_bwd_a ran
+
+
+@pytest.mark.parametrize("l2norm,beta_scale,G", [(True, 1.0, 3), (True, 0.0, 1), (False, 2.0, 2), (True, 2.0, 4)])
+def test_triton_prep_matches_reference(l2norm, beta_scale, G):
+    device = _triton_or_skip()
+    from kda_op.ops import _reference_prep_bwd, _reference_prep_fwd
+    from kda_op.triton_kernels.bwd import kda_prep_bwd_triton
+    from kda_op.triton_kernels.fwd import kda_prep_fwd_triton
+
+    x = _raw_inputs(B=2, T=21, H=3, G=G, K=24, V=4, seed=14, dtype=torch.float32)
+    q, k, beta = (x[n].to(device) for n in ("q", "k", "beta"))
+    got = kda_prep_fwd_triton(q, k, beta, l2norm, beta_scale)
+    want = _reference_prep_fwd(x["q"], x["k"], x["beta"], l2norm, beta_scale)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-6, atol=1e-6)
+    gen = torch.Generator().manual_seed(3)
+    dq, dk, dbeta = (torch.randn(t.shape, generator=gen) for t in (q, k, beta))
+    # a grad of a sum: stride 0 (the kernels must not assume a dense layout)
+    dbeta = torch.ones(1).expand(beta.shape)
+    got = kda_prep_bwd_triton(*got[:2], *got[3:], beta, dq.to(device), dk.to(device), dbeta.to(device), l2norm,
+                              beta_scale)
+    want = _reference_prep_bwd(*want[:2], *want[3:], x["beta"], dq, dk, dbeta, l2norm, beta_scale)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_recurrent_gate_matches_reference():
+    device = _triton_or_skip()
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import kda_recurrent_fwd_triton
+
+    x = _raw_inputs(B=2, T=3, H=1, G=2, K=20, V=12, seed=15, dtype=torch.float32)
+    x["k"] = F.normalize(x["k"], dim=-1)
+    args = [x[n].to(device) for n in ("q", "k", "v", "g", "beta")]
+    for gate in ("softplus", ("lb", -5.0), ("lb-noA", -1.0)):
+        gate_d = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in _gate_tuple(x, gate))
+        o, ht = kda_recurrent_fwd_triton(*args, None, x["initial_state"].to(device), gate=gate_d)
+        o_ref, ht_ref, _, _ = _reference_fwd(*[x[n] for n in ("q", "k", "v", "g", "beta")], None,
+                                             x["initial_state"], _gate_tuple(x, gate))
+        torch.testing.assert_close(o.cpu(), o_ref, **FP32_TOL)
+        torch.testing.assert_close(ht.cpu(), ht_ref, **FP32_TOL)
