@@ -40,8 +40,11 @@ def check_kda_inputs(
     initial_state: Optional[Tensor],
     output_final_state: bool,
     state_v_first: bool = False,
+    cu_seqlens: Optional[Tensor] = None,
+    cu_seqlens_cpu: Optional[Tensor] = None,
 ) -> None:
     """Validate the arguments of ``chunk_kda``; raise TypeError or ValueError.
+    With ``cu_seqlens`` the states hold one entry per packed sequence.
     ``initial_state`` comes in the ops' [B, HV, K, V] layout (a transposed view
     of the caller's [B, HV, V, K] with ``state_v_first``, which the messages name)."""
     state_layout = "[B, HV, V, K] (state_v_first)" if state_v_first else "[B, HV, K, V]"
@@ -83,8 +86,14 @@ def check_kda_inputs(
         )
     if beta.shape != (B, T, HV):
         raise ValueError(f"beta must be [B, T, HV] = {(B, T, HV)}, got shape {tuple(beta.shape)}")
-    if initial_state is not None and initial_state.shape != (B, HV, K, V):
-        want, got = (B, HV, K, V), tuple(initial_state.shape)
+    if cu_seqlens is None and cu_seqlens_cpu is not None:
+        raise ValueError("cu_seqlens_cpu is given without cu_seqlens")
+    N = B if cu_seqlens is None else _check_cu_seqlens(cu_seqlens, cu_seqlens_cpu, q)
+    if initial_state is not None and initial_state.shape != (N, HV, K, V):
+        want, got = (N, HV, K, V), tuple(initial_state.shape)
+        if cu_seqlens is not None:
+            raise ValueError(f"initial_state must hold one state per sequence of cu_seqlens: N = {N}, "
+                             f"got {got[0]} (shape {got})")
         if state_v_first:
             want, got = (B, HV, V, K), got[:2] + got[2:][::-1]
         raise ValueError(f"initial_state must be {state_layout} = {want}, got shape {got}")
@@ -102,6 +111,36 @@ def check_kda_inputs(
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite, got {scale}")
     check_bool("output_final_state", output_final_state)
+
+
+def _check_cu_seqlens(cu_seqlens: object, cu_seqlens_cpu: object, q: Tensor) -> int:
+    """fla's varlen rules; returns N. Values are read only where that costs no
+    host sync: a CPU ``cu_seqlens`` or ``cu_seqlens_cpu``, and not under tracing."""
+    B, T = q.shape[:2]
+    for name, x in (("cu_seqlens", cu_seqlens), ("cu_seqlens_cpu", cu_seqlens_cpu)):
+        if x is None:
+            continue
+        if not isinstance(x, Tensor):
+            raise TypeError(f"{name} must be a 1-D integer torch.Tensor [N + 1], got {type(x).__name__}")
+        if x.dtype not in (torch.int64, torch.int32) or x.dim() != 1 or x.shape[0] < 1:
+            raise ValueError(f"{name} must be a 1-D int64 (or int32) tensor [N + 1], got {x.dtype} of shape "
+                             f"{tuple(x.shape)}")
+    if cu_seqlens_cpu is not None:
+        if cu_seqlens_cpu.device.type != "cpu" or cu_seqlens_cpu.shape != cu_seqlens.shape:
+            raise ValueError(f"cu_seqlens_cpu must be cu_seqlens {tuple(cu_seqlens.shape)} on the CPU, got "
+                             f"{tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    if B != 1:
+        raise ValueError(f"with cu_seqlens the sequences are packed along T: B must be 1, got q of shape "
+                         f"{tuple(q.shape)}")
+    values = cu_seqlens if cu_seqlens.device.type == "cpu" else cu_seqlens_cpu
+    if values is not None and not torch.compiler.is_compiling():
+        offsets = values.tolist()
+        if offsets[0] != 0 or offsets[-1] != T or any(b < a for a, b in zip(offsets, offsets[1:])):
+            raise ValueError(f"cu_seqlens must start at 0, never decrease and end at T = {T}, got "
+                             f"{offsets if len(offsets) <= 16 else offsets[:8] + ['...'] + offsets[-4:]}")
+    return cu_seqlens.shape[0] - 1
 
 
 def _check_param(fn: str, name: str, x: object, shapes: tuple, layout: str, q: Tensor) -> None:

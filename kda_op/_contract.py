@@ -43,6 +43,22 @@ def num_chunk_boundaries(seq_len, chunk_size: int = CHUNK_SIZE):
     return num_chunks(seq_len, chunk_size) + 1
 
 
+def varlen_chunk_slots(seq_len, num_seqs, chunk_size: int = CHUNK_SIZE):
+    """Chunks of N packed sequences of T tokens in all (``cu_seqlens``): at most
+    ``T // C + N`` (each sequence's ceil(l / C) <= l // C + 1). Buffers with one
+    entry per chunk take this bound, which needs no host sync; entries past the
+    real count are unused."""
+    return seq_len // chunk_size + num_seqs
+
+
+def varlen_state_slots(seq_len, num_seqs, chunk_size: int = CHUNK_SIZE):
+    """Chunk states of N packed sequences: each sequence's NC_n + 1 boundaries,
+    at most ``T // C + 2 N`` in all; sequence n's start at ``chunk_offsets[n] + n``
+    (chunk_offsets[n]: the chunks of the sequences before n). Unused slots (past
+    the last sequence's) are zero."""
+    return seq_len // chunk_size + 2 * num_seqs
+
+
 def chunked_kernels_serve(device_type: str, input_dtype: torch.dtype) -> bool:
     """Whether the chunked Triton kernels serve these inputs (else the einsum
     reference does): CUDA, and not fp64 (the kernels keep the state in fp32)."""
@@ -114,7 +130,7 @@ def _round_up(nbytes, multiple: int = 256):
     return (nbytes + multiple - 1) // multiple * multiple
 
 
-def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: str):
+def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: str, num_seqs=None):
     """Where the chunked CUDA forward keeps its intra-chunk quantities for the
     backward (``chunk_kda_fwd(..., keep_intermediates=True)``), inside one flat
     uint8 tensor: a list of ``(name, shape, dtype, byte offset)`` and the total
@@ -128,10 +144,13 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
       up   [B, T, HV, V] fp32      U - W S0, the residuals of the forward's scan (likewise)
       qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
       steep [B, NC, HV] int32      which chunks took the steep path
+
+    ``num_seqs``: N packed sequences (``cu_seqlens``, B = 1): NC is then the
+    bound ``varlen_chunk_slots(T, N)``.
     """
     if not chunked_kernels_serve(device_type, input_dtype):
         return [], 0
-    NC = num_chunks(T)
+    NC = num_chunks(T) if num_seqs is None else varlen_chunk_slots(T, num_seqs)
     C = CHUNK_SIZE
     operand = scan_operand_dtype(input_dtype)
     pieces = [

@@ -23,8 +23,6 @@ _NOT_YET = {
     "ssm_state_indices": "decoding on a state pool (serving)",
     "num_accepted_tokens": "speculative decoding on a state pool (serving)",
     "inplace_final_state": "decoding on a state pool (serving)",
-    "cu_seqlens": "variable-length packing",
-    "cu_seqlens_cpu": "variable-length packing",
 }
 
 
@@ -143,11 +141,20 @@ def chunk_kda(
             them (see ``recompute_in_backward``); True only conflicts with
             ``recompute_in_backward=True``.
         state_v_first: states in ``[..., V, K]`` layout instead of ``[..., K, V]``.
+        cu_seqlens: ``[N + 1]`` int64 (or int32) offsets of N sequences packed
+            along T (B = 1), as FlashAttention's varlen API; the states are then
+            ``[N, HV, K, V]``. Chunks never straddle two sequences; sequences of
+            length 0 pass their initial state through. No path syncs with the
+            host: the CUDA kernels build their chunk index on the device. Its
+            values (starting at 0, non-decreasing, ending at T) are checked where
+            that costs no sync: when it is a CPU tensor, or from
+            ``cu_seqlens_cpu``; a CUDA ``cu_seqlens`` alone is checked for dtype
+            and shape only (not while torch.compile or torch.export traces).
+        cu_seqlens_cpu: the same offsets on the CPU, for those checks.
         chunk_size: (keyword) 32 or 64, as fla accepts; kda-op's kernels always
             cut 64-token chunks, so results differ from fla's by rounding only.
-        return_intermediate_states, cu_seqlens, cu_seqlens_cpu, cp_context,
-            use_graph, max_num_seqs: fla's; not implemented in kda-op yet
-            (NotImplementedError when set).
+        return_intermediate_states, cp_context, use_graph, max_num_seqs:
+            fla's; not implemented in kda-op yet (NotImplementedError when set).
         recompute_in_backward: kda-op's: on CUDA, when a backward will follow,
             the forward keeps its intra-chunk quantities for it (about 3 KB per
             token and value head at K = V = 128 with bf16 inputs, until the
@@ -179,9 +186,8 @@ def chunk_kda(
             tensors on different devices, or options that fla refuses.
         NotImplementedError: an fla keyword of work not done yet.
     """
-    for name, value in (("return_intermediate_states", return_intermediate_states), ("cu_seqlens", cu_seqlens),
-                        ("cu_seqlens_cpu", cu_seqlens_cpu), ("cp_context", cp_context), ("use_graph", use_graph),
-                        ("max_num_seqs", max_num_seqs)):
+    for name, value in (("return_intermediate_states", return_intermediate_states), ("cp_context", cp_context),
+                        ("use_graph", use_graph), ("max_num_seqs", max_num_seqs)):
         if value is not None and value is not False:
             raise _not_yet("chunk_kda", name)
     extra, state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first, ("A_log", "dt_bias", "chunk_size"))
@@ -197,20 +203,21 @@ def chunk_kda(
     if disable_recompute and recompute_in_backward:
         raise ValueError("disable_recompute=True (keep every intermediate) contradicts recompute_in_backward=True")
     h0 = _state_in(initial_state, state_v_first)
-    check_kda_inputs(q, k, v, g, beta, scale, h0, output_final_state, state_v_first=state_v_first)
+    check_kda_inputs(q, k, v, g, beta, scale, h0, output_final_state, state_v_first=state_v_first,
+                     cu_seqlens=cu_seqlens, cu_seqlens_cpu=cu_seqlens_cpu)
     q, k, beta = _prepare(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     scale = None if scale is None else float(scale)
     gate = (A_log, dt_bias, use_gate_in_kernel, None if lower_bound is None else float(lower_bound))
     if torch.compiler.is_exporting() and chunked_kernels_serve(q.device.type, q.dtype):
         # torch.export on CUDA: the forward whose kernels AOTInductor can compile
         # into a package (kda_op.ops.chunk_kda_fwd_export).
-        o, final_state, _ = torch.ops.kda_op.chunk_kda_fwd_export(q, k, v, g, beta, scale, h0, *gate)
+        o, final_state, _ = torch.ops.kda_op.chunk_kda_fwd_export(q, k, v, g, beta, scale, h0, *gate, cu_seqlens)
         return o, (_state_out(final_state, state_v_first) if output_final_state else None)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, h0, A_log, dt_bias)
     )
     o, final_state, _, _ = torch.ops.kda_op.chunk_kda_fwd(
-        q, k, v, g, beta, scale, h0, needs_grad and not recompute_in_backward, *gate
+        q, k, v, g, beta, scale, h0, needs_grad and not recompute_in_backward, *gate, cu_seqlens
     )
     return o, (_state_out(final_state, state_v_first) if output_final_state else None)
 
@@ -256,12 +263,10 @@ def fused_recurrent_kda(
     ``chunk_kda``. Runs through ``torch.ops.kda_op.fused_recurrent_kda_fwd``;
     differentiable (its backward recomputes the chunk states and reuses
     ``chunk_kda_bwd``), and traceable by ``torch.compile(fullgraph=True)``,
-    ``torch.export`` and CUDA graph capture. ``cu_seqlens``, and fla's serving
-    keywords (``ssm_state_indices``, ``num_accepted_tokens``,
-    ``inplace_final_state``), raise NotImplementedError.
+    ``torch.export`` and CUDA graph capture. ``cu_seqlens`` packs sequences as
+    in ``chunk_kda``; fla's serving keywords (``ssm_state_indices``,
+    ``num_accepted_tokens``, ``inplace_final_state``) raise NotImplementedError.
     """
-    if cu_seqlens is not None:
-        raise _not_yet("fused_recurrent_kda", "cu_seqlens")
     _, state_v_first = _fla_kwargs("fused_recurrent_kda", kwargs, state_v_first, ())
     check_options(
         "fused_recurrent_kda", q, v, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
@@ -270,10 +275,11 @@ def fused_recurrent_kda(
         chunk_size=64,
     )
     h0 = _state_in(initial_state, state_v_first)
-    check_kda_inputs(q, k, v, g, beta, scale, h0, output_final_state, state_v_first=state_v_first)
+    check_kda_inputs(q, k, v, g, beta, scale, h0, output_final_state, state_v_first=state_v_first,
+                     cu_seqlens=cu_seqlens)
     q, k, beta = _prepare(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     o, final_state = torch.ops.kda_op.fused_recurrent_kda_fwd(
         q, k, v, g, beta, None if scale is None else float(scale), h0,
-        A_log, dt_bias, use_gate_in_kernel, None if lower_bound is None else float(lower_bound),
+        A_log, dt_bias, use_gate_in_kernel, None if lower_bound is None else float(lower_bound), cu_seqlens,
     )
     return o, (_state_out(final_state, state_v_first) if output_final_state else None)

@@ -30,7 +30,9 @@ from .reference import (
     beta_sigmoid_backward_reference,
     beta_sigmoid_reference,
     kda_backward_reference,
+    kda_backward_reference_varlen,
     kda_forward_reference,
+    kda_forward_reference_varlen,
     kda_gate_backward_reference,
     kda_gate_reference,
     l2norm_backward_reference,
@@ -45,26 +47,34 @@ def _gate(A_log: Optional[Tensor], dt_bias: Optional[Tensor], use_gate: bool, lo
     return (A_log, dt_bias, lower_bound) if use_gate else None
 
 
-def _reference_fwd(q, k, v, g, beta, scale, initial_state, gate=None):
+def _reference_fwd(q, k, v, g, beta, scale, initial_state, gate=None, cu_seqlens=None):
     """chunk_kda_fwd on the einsum reference, which keeps no intermediates."""
     if gate is not None:
         g = kda_gate_reference(g, *gate)
-    o, final_state, chunk_states = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+    if cu_seqlens is None:
+        o, final_state, chunk_states = kda_forward_reference(q, k, v, g, beta, scale, initial_state)
+    else:
+        o, final_state, chunk_states = kda_forward_reference_varlen(q, k, v, g, beta, scale, initial_state,
+                                                                    cu_seqlens)
     return o, final_state, chunk_states, q.new_empty((0,), dtype=torch.uint8)
 
 
-def _reference_bwd(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, gate=None):
+def _reference_bwd(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, gate=None, cu_seqlens=None):
     """chunk_kda_bwd on the einsum reference: the BPTT backward, then (with the
     gate) back through the gate."""
     def empty():  # a fresh one each time: op outputs must not alias each other
         return q.new_empty((0,), dtype=torch.float32)
 
+    def bptt(g_in):
+        if cu_seqlens is None:
+            return kda_backward_reference(q, k, v, g_in, beta, scale, initial_state, chunk_states, do, dht)
+        return kda_backward_reference_varlen(q, k, v, g_in, beta, scale, initial_state, chunk_states, do, dht,
+                                             cu_seqlens)
+
     if gate is None:
-        return (*kda_backward_reference(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht), empty(),
-                empty())
+        return (*bptt(g), empty(), empty())
     g_act = kda_gate_reference(g, *gate)
-    dq, dk, dv, dg_act, dbeta, dh0 = kda_backward_reference(q, k, v, g_act, beta, scale, initial_state,
-                                                            chunk_states, do, dht)
+    dq, dk, dv, dg_act, dbeta, dh0 = bptt(g_act)
     dg, dA_log, ddt_bias = kda_gate_backward_reference(g, *gate, dg_act)
     return (dq, dk, dv, dg, dbeta, dh0, empty() if dA_log is None else dA_log,
             empty() if ddt_bias is None else ddt_bias)
@@ -84,6 +94,7 @@ def chunk_kda_fwd(
     dt_bias: Optional[Tensor] = None,
     use_gate: bool = False,
     lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """KDA forward. Returns ``(o [B,T,HV,V], final_state [B,HV,K,V],
     chunk_states [B,NC+1,HV,K,V], intermediates [N] uint8)``; ``chunk_states``
@@ -93,8 +104,11 @@ def chunk_kda_fwd(
     quantities in ``intermediates`` (layout: ``kda_op._contract.
     intermediates_layout``) so that the backward need not recompute them; it is
     empty otherwise, and always on the reference (CPU, fp64). ``use_gate``: ``g``
-    is fla's raw gate (module docstring)."""
-    return _reference_fwd(q, k, v, g, beta, scale, initial_state, _gate(A_log, dt_bias, use_gate, lower_bound))
+    is fla's raw gate (module docstring). ``cu_seqlens`` [N + 1]: N sequences
+    packed along T (B = 1); the states are then [N, HV, K, V] and the chunk states
+    [1, T // 64 + 2 N, HV, K, V] (``kda_op._contract.varlen_state_slots``)."""
+    return _reference_fwd(q, k, v, g, beta, scale, initial_state, _gate(A_log, dt_bias, use_gate, lower_bound),
+                          cu_seqlens)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::chunk_kda_bwd", mutates_args=(), device_types="cpu")
@@ -114,6 +128,7 @@ def chunk_kda_bwd(
     dt_bias: Optional[Tensor] = None,
     use_gate: bool = False,
     lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """KDA backward from the grads of o (``do``) and of the final state (``dht``,
     ``None`` for zero). Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``;
@@ -123,11 +138,11 @@ def chunk_kda_bwd(
     kept (the CUDA kernels then skip their recompute); ``None`` or empty to
     recompute."""
     return _reference_bwd(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht,
-                          _gate(A_log, dt_bias, use_gate, lower_bound))
+                          _gate(A_log, dt_bias, use_gate, lower_bound), cu_seqlens)
 
 
 def _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound,
-                          chunk_states, *kept) -> None:
+                          cu_seqlens, chunk_states, *kept) -> None:
     """What _input_grads needs, saved by a forward op's setup_context."""
     ctx.scale = scale
     ctx.has_initial_state = initial_state is not None
@@ -137,15 +152,15 @@ def _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt
     # fill a tensor the size of the kept intermediates (0.12 ms a step measured at
     # B1-T8192-H16) and of the chunk states, only to ignore it.
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, chunk_states, *kept)
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, chunk_states, *kept)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     _, _, chunk_states, intermediates = output
     ctx.mark_non_differentiable(chunk_states, intermediates)
-    q, k, v, g, beta, scale, initial_state, _keep, A_log, dt_bias, use_gate, lower_bound = inputs
+    q, k, v, g, beta, scale, initial_state, _keep, A_log, dt_bias, use_gate, lower_bound, cu_seqlens = inputs
     _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound,
-                          chunk_states, intermediates)
+                          cu_seqlens, chunk_states, intermediates)
 
 
 def _input_grads(ctx, do: Optional[Tensor], dht: Optional[Tensor], intermediates: Optional[Tensor],
@@ -154,12 +169,12 @@ def _input_grads(ctx, do: Optional[Tensor], dht: Optional[Tensor], intermediates
     chunk_kda_bwd, from what setup_context saved (None for an input that had
     none). ``chunk_states``: in place of the saved ones (the recurrent op's
     backward, which recomputes them)."""
-    q, k, v, g, beta, initial_state, A_log, dt_bias, saved_states = ctx.saved_tensors[:9]
+    q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens, saved_states = ctx.saved_tensors[:10]
     if do is None:  # only the final state was used
         do = torch.zeros_like(v)  # o has v's shape and dtype
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = torch.ops.kda_op.chunk_kda_bwd(
         q, k, v, g, beta, ctx.scale, initial_state, saved_states if chunk_states is None else chunk_states,
-        do, dht, intermediates, A_log, dt_bias, ctx.use_gate, ctx.lower_bound,
+        do, dht, intermediates, A_log, dt_bias, ctx.use_gate, ctx.lower_bound, cu_seqlens,
     )
     return (dq, dk, dv, dg, dbeta, (dh0 if ctx.has_initial_state else None),
             dA_log if ctx.use_gate and A_log is not None else None,
@@ -167,10 +182,10 @@ def _input_grads(ctx, do: Optional[Tensor], dht: Optional[Tensor], intermediates
 
 
 def _backward(ctx, do: Optional[Tensor], dht: Optional[Tensor], _dchunk_states, _dintermediates):
-    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, ctx.saved_tensors[9])
+    dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, ctx.saved_tensors[10])
     # one grad per input: q, k, v, g, beta, scale, initial_state, keep_intermediates,
-    # A_log, dt_bias, use_gate, lower_bound
-    return dq, dk, dv, dg, dbeta, None, dh0, None, dA_log, ddt_bias, None, None
+    # A_log, dt_bias, use_gate, lower_bound, cu_seqlens
+    return dq, dk, dv, dg, dbeta, None, dh0, None, dA_log, ddt_bias, None, None, None
 
 
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -181,24 +196,26 @@ chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
 # (fp32 state) do not serve, run the einsum reference on the GPU: exact, slow.
 @chunk_kda_fwd.register_kernel("cuda")
 def _chunk_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state, keep_intermediates=False, A_log=None,
-                        dt_bias=None, use_gate=False, lower_bound=None):
+                        dt_bias=None, use_gate=False, lower_bound=None, cu_seqlens=None):
     gate = _gate(A_log, dt_bias, use_gate, lower_bound)
     if not chunked_kernels_serve(q.device.type, q.dtype):
-        return _reference_fwd(q, k, v, g, beta, scale, initial_state, gate)
+        return _reference_fwd(q, k, v, g, beta, scale, initial_state, gate, cu_seqlens)
     from .triton_kernels import kda_fwd_triton
 
-    return kda_fwd_triton(q, k, v, g, beta, scale, initial_state, keep_intermediates, gate=gate)
+    return kda_fwd_triton(q, k, v, g, beta, scale, initial_state, keep_intermediates, gate=gate,
+                          cu_seqlens=cu_seqlens)
 
 
 @chunk_kda_bwd.register_kernel("cuda")
 def _chunk_kda_bwd_cuda(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates=None,
-                        A_log=None, dt_bias=None, use_gate=False, lower_bound=None):
+                        A_log=None, dt_bias=None, use_gate=False, lower_bound=None, cu_seqlens=None):
     gate = _gate(A_log, dt_bias, use_gate, lower_bound)
     if not chunked_kernels_serve(q.device.type, q.dtype):
-        return _reference_bwd(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, gate)
+        return _reference_bwd(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, gate, cu_seqlens)
     from .triton_kernels import kda_bwd_triton
 
-    return kda_bwd_triton(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates, gate=gate)
+    return kda_bwd_triton(q, k, v, g, beta, scale, initial_state, chunk_states, do, dht, intermediates, gate=gate,
+                          cu_seqlens=cu_seqlens)
 
 
 # For deployment: the CUDA forward as a triton_op, whose body (host code and
@@ -219,6 +236,7 @@ def chunk_kda_fwd_export(
     dt_bias: Optional[Tensor] = None,
     use_gate: bool = False,
     lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """KDA forward on the chunked Triton kernels (CUDA, fp32/bf16/fp16 inputs, T >= 1):
     ``(o, final_state, chunk_states)`` as ``chunk_kda_fwd`` without the kept
@@ -226,8 +244,8 @@ def chunk_kda_fwd_export(
     ``kda_op.triton_kernels.fwd.kda_fwd_triton_export``)."""
     from .triton_kernels.fwd import kda_fwd_triton_export
 
-    return kda_fwd_triton_export(q, k, v, g, beta, scale, initial_state, gate=_gate(A_log, dt_bias, use_gate,
-                                                                                     lower_bound))
+    return kda_fwd_triton_export(q, k, v, g, beta, scale, initial_state,
+                                 gate=_gate(A_log, dt_bias, use_gate, lower_bound), cu_seqlens=cu_seqlens)
 
 
 def _export_setup_context(ctx, inputs, output) -> None:
@@ -238,7 +256,7 @@ def _export_setup_context(ctx, inputs, output) -> None:
 def _export_backward(ctx, do: Optional[Tensor], dht: Optional[Tensor], _dchunk_states):
     # An exported training graph: nothing kept, the backward recomputes the intra-chunk stage.
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, None)
-    return dq, dk, dv, dg, dbeta, None, dh0, dA_log, ddt_bias, None, None
+    return dq, dk, dv, dg, dbeta, None, dh0, dA_log, ddt_bias, None, None, None
 
 
 chunk_kda_fwd_export.register_autograd(_export_backward, setup_context=_export_setup_context)
@@ -257,42 +275,45 @@ def fused_recurrent_kda_fwd(
     dt_bias: Optional[Tensor] = None,
     use_gate: bool = False,
     lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """KDA forward token by token, for decoding: ``(o [B,T,HV,V], final_state
     [B,HV,K,V])``. Saves no chunk states; its backward recomputes them.
-    ``use_gate``: ``g`` is fla's raw gate (module docstring)."""
+    ``use_gate``: ``g`` is fla's raw gate (module docstring); ``cu_seqlens`` as
+    in ``chunk_kda_fwd``."""
     o, final_state, _, _ = _reference_fwd(q, k, v, g, beta, scale, initial_state,
-                                          _gate(A_log, dt_bias, use_gate, lower_bound))
+                                          _gate(A_log, dt_bias, use_gate, lower_bound), cu_seqlens)
     return o, final_state
 
 
 @fused_recurrent_kda_fwd.register_kernel("cuda")
 def _fused_recurrent_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state, A_log=None, dt_bias=None,
-                                  use_gate=False, lower_bound=None):
+                                  use_gate=False, lower_bound=None, cu_seqlens=None):
     gate = _gate(A_log, dt_bias, use_gate, lower_bound)
     if q.dtype == torch.float64:
-        o, final_state, _, _ = _reference_fwd(q, k, v, g, beta, scale, initial_state, gate)
+        o, final_state, _, _ = _reference_fwd(q, k, v, g, beta, scale, initial_state, gate, cu_seqlens)
         return o, final_state
     from .triton_kernels import kda_recurrent_fwd_triton
 
-    return kda_recurrent_fwd_triton(q, k, v, g, beta, scale, initial_state, gate=gate)
+    return kda_recurrent_fwd_triton(q, k, v, g, beta, scale, initial_state, gate=gate, cu_seqlens=cu_seqlens)
 
 
 def _recurrent_setup_context(ctx, inputs, output) -> None:
-    q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound = inputs
-    _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound, None)
+    q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound, cu_seqlens = inputs
+    _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound,
+                          cu_seqlens, None)
     ctx.set_materialize_grads(True)  # its backward reads do and dht whole
 
 
 def _recurrent_backward(ctx, do: Tensor, dht: Tensor):
     # Decoding rarely needs grads: rather than make every decode step write chunk
     # states, the backward recomputes them with the chunked forward.
-    q, k, v, g, beta, initial_state, A_log, dt_bias = ctx.saved_tensors[:8]
+    q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens = ctx.saved_tensors[:9]
     _, _, chunk_states, intermediates = torch.ops.kda_op.chunk_kda_fwd(
-        q, k, v, g, beta, ctx.scale, initial_state, True, A_log, dt_bias, ctx.use_gate, ctx.lower_bound
+        q, k, v, g, beta, ctx.scale, initial_state, True, A_log, dt_bias, ctx.use_gate, ctx.lower_bound, cu_seqlens
     )
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, intermediates, chunk_states)
-    return dq, dk, dv, dg, dbeta, None, dh0, dA_log, ddt_bias, None, None
+    return dq, dk, dv, dg, dbeta, None, dh0, dA_log, ddt_bias, None, None, None
 
 
 fused_recurrent_kda_fwd.register_autograd(_recurrent_backward, setup_context=_recurrent_setup_context)

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from ._contract import CHUNK_SIZE, num_chunk_boundaries, state_dtype
+from ._contract import CHUNK_SIZE, num_chunk_boundaries, state_dtype, varlen_state_slots
 
 
 def _expand_heads(x: Tensor, group: int, dtype: torch.dtype) -> Tensor:
@@ -254,3 +254,63 @@ def kda_gate_backward_reference(g: Tensor, A_log: Optional[Tensor], dt_bias: Opt
     dA_log = None if A_log is None else dlog_a.sum(sum_dims + (g.dim() - 1,)).to(A_log.dtype)
     ddt_bias = None if dt_bias is None else dx.sum(sum_dims).reshape(HV * K).to(dt_bias.dtype)
     return dx.to(g.dtype), dA_log, ddt_bias
+
+
+# ---------------------------------------------------------------------------
+# Packed sequences (cu_seqlens): the reference runs each sequence on its own.
+
+def _bounds(cu_seqlens: Tensor) -> list[int]:
+    # the reference reads the lengths on the host (a sync where cu_seqlens is on a GPU:
+    # the fp64 path only; the CUDA kernels read them on the device)
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
+def kda_forward_reference_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                 scale: Optional[float], initial_state: Optional[Tensor], cu_seqlens: Tensor):
+    """``kda_forward_reference`` over N sequences packed along T (B = 1):
+    ``(o [1, T, HV, V], final_state [N, HV, K, V], chunk_states [1, S, HV, K, V])``
+    with sequence n's NC_n + 1 boundaries from slot ``chunk_offsets[n] + n`` and
+    zeros past the last (S = ``varlen_state_slots(T, N)``)."""
+    bounds = _bounds(cu_seqlens)
+    N, T = len(bounds) - 1, q.shape[1]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    acc = state_dtype(q.dtype)
+    o = q.new_empty((1, T, HV, V), dtype=v.dtype)
+    final = q.new_empty((N, HV, K, V), dtype=acc)
+    chunk_states = q.new_zeros((1, varlen_state_slots(T, N), HV, K, V), dtype=acc)
+    slot = 0
+    for n in range(N):
+        a, b = bounds[n], bounds[n + 1]
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        o_n, final_n, cs_n = kda_forward_reference(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, h0)
+        o[:, a:b] = o_n
+        final[n] = final_n[0]
+        chunk_states[:, slot:slot + cs_n.shape[1]] = cs_n
+        slot += cs_n.shape[1]
+    return o, final, chunk_states
+
+
+def kda_backward_reference_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                  scale: Optional[float], initial_state: Optional[Tensor], chunk_states: Tensor,
+                                  do: Tensor, dht: Optional[Tensor], cu_seqlens: Tensor):
+    """``kda_backward_reference`` over packed sequences (layout of
+    ``kda_forward_reference_varlen``): ``(dq, dk, dv, dg, dbeta, dh0 [N, ...])``."""
+    bounds = _bounds(cu_seqlens)
+    N = len(bounds) - 1
+    grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    acc = state_dtype(q.dtype)
+    dh0 = q.new_empty((N, HV, K, V), dtype=acc if initial_state is None else initial_state.dtype)
+    slot = 0
+    for n in range(N):
+        a, b = bounds[n], bounds[n + 1]
+        boundaries = num_chunk_boundaries(b - a)
+        h0 = None if initial_state is None else initial_state[n:n + 1]
+        parts = kda_backward_reference(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, h0,
+                                       chunk_states[:, slot:slot + boundaries], do[:, a:b],
+                                       None if dht is None else dht[n:n + 1])
+        for grad, part in zip(grads, parts[:5]):
+            grad[:, a:b] = part
+        dh0[n] = parts[5][0]
+        slot += boundaries
+    return (*grads, dh0)

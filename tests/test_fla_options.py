@@ -91,7 +91,13 @@ def _grad_names(x, gate):
     return names
 
 
+def _as_log_decay(x, gate):
+    """Without the in-kernel gate g is the log decay itself: make it one (<= 0)."""
+    return x if gate is not None else dict(x, g=F.logsigmoid(x["g"]))
+
+
 def _compare(fn, x, l2norm, gate, beta_scale, state_v_first=False, tol=1e-10):
+    x = _as_log_decay(x, gate)
     names = _grad_names(x, gate)
     leaves = {n: x[n].detach().clone().requires_grad_() for n in x if x[n] is not None}
     if state_v_first:
@@ -226,7 +232,17 @@ def _args(seed=11):
     (dict(cp_context=object()), NotImplementedError, "context parallelism"),
     (dict(use_graph=True), NotImplementedError, "use_graph"),
     (dict(return_intermediate_states=True), NotImplementedError, "return_intermediate_states"),
-    (dict(cu_seqlens=torch.tensor([0, 6])), NotImplementedError, "variable-length"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 6], dtype=torch.int16)), ValueError, "1-D int64"),
+    (dict(cu_seqlens=[0, 6]), TypeError, "cu_seqlens must be a 1-D integer torch.Tensor"),
+    (dict(cu_seqlens=torch.tensor([[0, 6]])), ValueError, "1-D int64"),
+    (dict(cu_seqlens=torch.tensor([1, 6])), ValueError, "start at 0"),
+    (dict(cu_seqlens=torch.tensor([0, 4, 3, 6])), ValueError, "never decrease"),
+    (dict(cu_seqlens=torch.tensor([0, 5])), ValueError, "end at T = 6"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 6]), initial_state=torch.zeros(3, 4, 4, 3, dtype=torch.float64)),
+     ValueError, "one state per sequence of cu_seqlens: N = 2, got 3"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 6]), cu_seqlens_cpu=torch.tensor([0, 6])), ValueError,
+     "cu_seqlens_cpu must be cu_seqlens"),
+    (dict(cu_seqlens_cpu=torch.tensor([0, 6])), ValueError, "without cu_seqlens"),
     (dict(ssm_state_indices=torch.tensor([0])), NotImplementedError, "state pool"),
 ])
 def test_chunk_kda_refuses(kwargs, error, match):
@@ -239,8 +255,8 @@ def test_fused_recurrent_kda_refuses():
     args, x = _args()
     with pytest.raises(NotImplementedError, match="state pool"):
         fused_recurrent_kda(*args, inplace_final_state=True)
-    with pytest.raises(NotImplementedError, match="variable-length"):
-        fused_recurrent_kda(*args, cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="B must be 1"):
+        fused_recurrent_kda(*(torch.cat([a, a]) for a in args), cu_seqlens=torch.tensor([0, 6]))
     with pytest.raises(TypeError, match="unexpected keyword argument 'chunk_size'"):
         fused_recurrent_kda(*args, chunk_size=64)
     with pytest.raises(ValueError, match="needs A_log"):
@@ -371,3 +387,195 @@ def test_triton_recurrent_gate_matches_reference():
                                              x["initial_state"], _gate_tuple(x, gate))
         torch.testing.assert_close(o.cpu(), o_ref, **FP32_TOL)
         torch.testing.assert_close(ht.cpu(), ht_ref, **FP32_TOL)
+
+
+# -- packed sequences (cu_seqlens) ------------------------------------------
+
+LENGTHS = [1, 63, 0, 65, 5]  # a single token, around a chunk boundary, an empty sequence
+
+
+def _packed(lengths, seed, dtype=torch.float64, **kw):
+    x = _raw_inputs(B=1, T=sum(lengths), seed=seed, dtype=dtype, with_h0=False, **kw)
+    gen = torch.Generator().manual_seed(seed + 100)
+    HV, K, V = x["v"].shape[2], x["q"].shape[3], x["v"].shape[3]
+    x["initial_state"] = torch.randn(len(lengths), HV, K, V, generator=gen, dtype=torch.float64).to(
+        torch.float64 if dtype == torch.float64 else torch.float32)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    return x, cu
+
+
+def _per_sequence(fn, x, cu, **kw):
+    """Each packed sequence alone (B = 1): the oracle of the packed call."""
+    outs, finals = [], []
+    for n in range(cu.shape[0] - 1):
+        a, b = int(cu[n]), int(cu[n + 1])
+        piece = {m: (t[:, a:b] if m in ("q", "k", "v", "g", "beta") else t) for m, t in x.items()}
+        o, ht = fn(piece, x["initial_state"][n:n + 1], **kw)
+        outs.append(o)
+        finals.append(ht)
+    return torch.cat(outs, dim=1), torch.cat(finals)
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+@pytest.mark.parametrize("l2norm,gate,beta_scale", [OPTIONS[0], (False, None, 0.0)])
+def test_varlen_matches_each_sequence_alone(fn, l2norm, gate, beta_scale):
+    """fp64 on the CPU reference: outputs, final states and every grad of the packed
+    call equal the naive loop run on each sequence alone."""
+    x, cu = _packed(LENGTHS, seed=20, H=1, G=2, K=8, V=6)
+    x = _as_log_decay(x, gate)
+    names = _grad_names(x, gate)
+    leaves = {n: x[n].detach().clone().requires_grad_() for n in x if x[n] is not None}
+    o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+               initial_state=leaves["initial_state"], output_final_state=True, cu_seqlens=cu,
+               **_option_kwargs(leaves, l2norm, gate, beta_scale))
+    gen = torch.Generator().manual_seed(5)
+    do, dht = torch.randn(o.shape, generator=gen, dtype=o.dtype), torch.randn(ht.shape, generator=gen,
+                                                                            dtype=ht.dtype)
+    grads = torch.autograd.grad((o * do).sum() + (ht * dht).sum(), [leaves[n] for n in names])
+
+    ref = {n: x[n].detach().clone().requires_grad_() for n in x if x[n] is not None}
+
+    def naive(piece, h0):
+        return _naive_with_options(dict(piece, initial_state=h0), l2norm, gate, beta_scale)
+
+    o_ref, ht_ref = _per_sequence(naive, ref, cu)
+    grads_ref = torch.autograd.grad((o_ref * do).sum() + (ht_ref * dht).sum(), [ref[n] for n in names])
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(ht, ht_ref, rtol=1e-10, atol=1e-10)
+    for name, got, want in zip(names, grads, grads_ref):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=lambda m: f"d{name}: {m}")
+
+
+def test_varlen_chunk_states_layout():
+    """The op's chunk states: sequence n's boundaries from slot chunk_offsets[n] + n,
+    zeros after the last sequence's (every byte follows from the inputs)."""
+    from kda_op._contract import varlen_state_slots
+
+    x, cu = _packed(LENGTHS, seed=21, H=1, G=1, K=4, V=3)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    _, ht, cs, _ = torch.ops.kda_op.chunk_kda_fwd(*args, None, x["initial_state"], cu_seqlens=cu)
+    T, N = cu[-1].item(), len(LENGTHS)
+    assert cs.shape == (1, varlen_state_slots(T, N), 1, 4, 3)
+    slot = 0
+    for n, length in enumerate(LENGTHS):
+        assert torch.equal(cs[0, slot], x["initial_state"][n])  # the state entering its first chunk
+        slot += -(-length // CHUNK_SIZE) + 1
+        assert torch.equal(cs[0, slot - 1], ht[n])  # its final state closes its boundaries
+    assert slot < cs.shape[1] and (cs[0, slot:] == 0).all()
+
+
+def test_triton_varlen_matches_reference():
+    """Every kernel with IS_VARLEN (forward, both backwards, the gate), against the
+    reference op on the same packed sequences, fp32."""
+    device = _triton_or_skip()
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import kda_bwd_triton, kda_fwd_triton, kda_recurrent_fwd_triton
+
+    lengths = [1, 63, 0, 65, 130, 2]
+    x, cu = _packed(lengths, seed=22, dtype=torch.float32, H=2, G=2, K=20, V=12)
+    x["k"] = F.normalize(x["k"], dim=-1)
+    x["beta"] = torch.sigmoid(x["beta"])
+    gate = ("lb", -5.0)
+    cpu_args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    args = [t.to(device) for t in cpu_args]
+    h0, cu_d = x["initial_state"].to(device), cu.to(device)
+    gate_d = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in _gate_tuple(x, gate))
+    want = _reference_fwd(*cpu_args, None, x["initial_state"], _gate_tuple(x, gate), cu)
+    for keep in (False, True):
+        got = kda_fwd_triton(*args, None, h0, keep, gate=gate_d, cu_seqlens=cu_d)
+        for name, a, b in zip(("o", "final_state", "chunk_states"), got, want):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a.cpu(), b, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+    kept = got[3]
+    gen = torch.Generator().manual_seed(6)
+    do, dht = torch.randn(want[0].shape, generator=gen), torch.randn(want[1].shape, generator=gen)
+    grads_ref = _reference_bwd(*cpu_args, None, x["initial_state"], want[2], do, dht, _gate_tuple(x, gate), cu)
+    for intermediates in (None, kept):
+        grads = kda_bwd_triton(*args, None, h0, got[2], do.to(device), dht.to(device), intermediates, gate=gate_d,
+                               cu_seqlens=cu_d)
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), grads, grads_ref):
+            assert a.shape == b.shape, name
+            torch.testing.assert_close(a.cpu(), b, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+    o, ht = kda_recurrent_fwd_triton(*args, None, h0, gate=gate_d, cu_seqlens=cu_d)
+    torch.testing.assert_close(o.cpu(), want[0], **FP32_TOL)
+    torch.testing.assert_close(ht.cpu(), want[1], **FP32_TOL)
+
+
+def test_varlen_opcheck():
+    x, cu = _packed([3, 0, 70], seed=23, dtype=torch.float32, H=1, G=2, K=4, V=3)
+    x["beta"] = torch.sigmoid(x["beta"])
+    x["g"] = F.logsigmoid(x["g"])  # the log decay (and a fine raw gate for the gate's check below)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, x["initial_state"])
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    for a in args:
+        if a is not None:
+            a.requires_grad_()
+    torch.library.opcheck(torch.ops.kda_op.chunk_kda_fwd.default, args, dict(cu_seqlens=cu), test_utils=utils)
+    gate = dict(A_log=x["A_log"], dt_bias=x["dt_bias"], use_gate=True, lower_bound=None)
+    torch.library.opcheck(torch.ops.kda_op.chunk_kda_fwd.default, args, dict(cu_seqlens=cu, **gate),
+                          test_utils=utils)
+    torch.library.opcheck(torch.ops.kda_op.fused_recurrent_kda_fwd.default, args, dict(cu_seqlens=cu, **gate),
+                          test_utils=utils)
+    o, ht, cs, _ = torch.ops.kda_op.chunk_kda_fwd(*args, cu_seqlens=cu, **gate)
+    bwd_args = tuple(a.detach() if a is not None else None for a in args) + (cs, torch.randn_like(o),
+                                                                             torch.randn_like(ht))
+    torch.library.opcheck(torch.ops.kda_op.chunk_kda_bwd.default, bwd_args,
+                          dict(cu_seqlens=cu, A_log=x["A_log"], dt_bias=x["dt_bias"], use_gate=True),
+                          test_utils=utils[:1] + utils[2:])
+
+
+@pytest.mark.parametrize("l2norm,beta_scale", [(True, 2.0), (True, 0.0), (False, 1.0)])
+def test_prep_opcheck(l2norm, beta_scale):
+    x = _raw_inputs(B=2, T=5, H=2, G=2, K=4, V=3, seed=24, dtype=torch.float32)
+    args = (x["q"].requires_grad_(), x["k"].requires_grad_(), x["beta"].requires_grad_(), l2norm, beta_scale)
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.kda_op.kda_prep_fwd.default, args, test_utils=utils)
+
+
+def test_compile_varlen_dynamic_recompiles_at_most_once():
+    """torch.compile(fullgraph=True, dynamic=True) over packed batches of changing
+    N and T, with the options of fla's layer: at most one recompile, eager's numbers."""
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+
+    def step(q, k, v, g, beta, A_log, dt_bias, cu):
+        o, ht = chunk_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                          use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+        return o, ht
+
+    compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True)
+    for i, lengths in enumerate(([5, 70], [3, 9, 64], [1, 0, 40, 2], [129])):
+        x, cu = _packed(lengths, seed=30 + i, dtype=torch.float32, H=1, G=2, K=4, V=3)
+        args = [x[n] for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")] + [cu]
+        got, want = compiled(*args), step(*args)
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b)
+    assert counter.frame_count <= 2, counter.frame_count
+
+
+def test_export_varlen_dynamic():
+    """torch.export with dynamic T and N (cu_seqlens an input); the exported
+    program equals eager at other T and N."""
+    from torch.export import Dim, export
+
+    class Packed(torch.nn.Module):
+        def forward(self, q, k, v, g, beta, A_log, dt_bias, cu):
+            return chunk_kda(q, k, v, g, beta, output_final_state=True, cu_seqlens=cu, use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+
+    x, cu = _packed([5, 70, 3], seed=40, dtype=torch.float32, H=1, G=2, K=4, V=3)
+    names = ("q", "k", "v", "g", "beta", "A_log", "dt_bias")
+    # N = cu.shape[0] - 1 >= 2: an output dim that is an expression of a symbol (N = Np1 - 1)
+    # gets torch's contiguity guard N != 1 (a plain symbol would not); one sequence is a batch of one
+    T, Np1 = Dim("T", min=2, max=4096), Dim("Np1", min=3, max=64)
+    shapes = dict(q={1: T}, k={1: T}, v={1: T}, g={1: T}, beta={1: T}, A_log=None, dt_bias=None, cu={0: Np1})
+    ep = export(Packed(), tuple(x[n] for n in names) + (cu,), dynamic_shapes=shapes)
+    x2, cu2 = _packed([1, 0, 64, 65], seed=41, dtype=torch.float32, H=1, G=2, K=4, V=3)
+    args2 = tuple(x2[n] for n in names) + (cu2,)
+    for a, b in zip(ep.module()(*args2), Packed()(*args2)):
+        assert a.shape == b.shape
+        torch.testing.assert_close(a, b)

@@ -12,15 +12,22 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from .._contract import chunk_states_dtype, intermediates_layout, num_chunk_boundaries, state_dtype
+from .._contract import (chunk_states_dtype, intermediates_layout, num_chunk_boundaries, state_dtype,
+                         varlen_state_slots)
 
 
-def _output_and_final_state(q: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """o [B, T, HV, V] in v's dtype and the final state [B, HV, K, V] in the state
-    dtype: what both forward ops return first."""
+def _num_states(q: Tensor, cu_seqlens: Optional[Tensor]):
+    """How many states (initial, final): one per batch row, or per packed sequence."""
+    return q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+
+
+def _output_and_final_state(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """o [B, T, HV, V] in v's dtype and the final state [N, HV, K, V] (N = B, or
+    the packed sequences) in the state dtype: what both forward ops return first."""
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    return v.new_empty((B, T, HV, V)), q.new_empty((B, HV, K, V), dtype=state_dtype(q.dtype))
+    return v.new_empty((B, T, HV, V)), q.new_empty((_num_states(q, cu_seqlens), HV, K, V),
+                                                   dtype=state_dtype(q.dtype))
 
 
 @torch.library.register_fake("kda_op::chunk_kda_fwd")
@@ -37,14 +44,20 @@ def chunk_kda_fwd_fake(
     dt_bias: Optional[Tensor] = None,
     use_gate: bool = False,
     lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    o, final_state = _output_and_final_state(q, v)
+    o, final_state = _output_and_final_state(q, v, cu_seqlens)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    chunk_states = q.new_empty((B, num_chunk_boundaries(T), HV, K, V),
-                               dtype=chunk_states_dtype(q.dtype, q.device.type))
+    if cu_seqlens is None:
+        slots, num_seqs = num_chunk_boundaries(T), None
+    else:
+        num_seqs = cu_seqlens.shape[0] - 1
+        slots = varlen_state_slots(T, num_seqs)
+    chunk_states = q.new_empty((B, slots, HV, K, V), dtype=chunk_states_dtype(q.dtype, q.device.type))
     # The kept intermediates exist only where the chunked CUDA kernels serve.
-    nbytes = intermediates_layout(B, T, HV, K, V, q.dtype, q.device.type)[1] if keep_intermediates else 0
+    nbytes = (intermediates_layout(B, T, HV, K, V, q.dtype, q.device.type, num_seqs)[1]
+              if keep_intermediates else 0)
     intermediates = q.new_empty((nbytes,), dtype=torch.uint8)
     return o, final_state, chunk_states, intermediates
 
@@ -66,8 +79,10 @@ def chunk_kda_bwd_fake(
     dt_bias: Optional[Tensor] = None,
     use_gate: bool = False,
     lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    B, _, HV, K = g.shape
+    _, _, HV, K = g.shape
+    B = _num_states(q, cu_seqlens)
     V = v.shape[3]
     # dq/dk come back GVA-reduced: [B, T, HV, K] summed over the G value heads
     # of each key head gives q's own shape [B, T, H, K].
@@ -98,8 +113,9 @@ def fused_recurrent_kda_fwd_fake(
     dt_bias: Optional[Tensor] = None,
     use_gate: bool = False,
     lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
-    return _output_and_final_state(q, v)
+    return _output_and_final_state(q, v, cu_seqlens)
 
 
 @torch.library.register_fake("kda_op::kda_prep_fwd")

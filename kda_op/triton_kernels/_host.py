@@ -15,7 +15,7 @@ import torch
 import triton
 from torch import Tensor
 
-from .._contract import intermediates_layout, scan_operand_dtype
+from .._contract import varlen_chunk_slots, varlen_state_slots, intermediates_layout, scan_operand_dtype
 from . import settings as S
 from .settings import BT
 
@@ -95,14 +95,47 @@ def _kernel(fn, traced: bool):
     return fn
 
 
-def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None) -> dict:
+def _varlen_index(cu_seqlens: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
+    """For N packed sequences (``cu_seqlens`` [N + 1]) on their device, with torch
+    ops only (no host sync, so a CUDA graph can capture it): ``(chunk_index
+    [NCB, 2] int32, chunk_offsets [N + 1] int64, NCB)`` as _indexing.py reads them,
+    NCB = ``varlen_chunk_slots(T, N)``."""
+    N = cu_seqlens.shape[0] - 1
+    cu = cu_seqlens.to(torch.int64)
+    chunks = (cu[1:] - cu[:-1] + BT - 1) // BT
+    chunk_offsets = torch.cat([cu.new_zeros(1), chunks.cumsum(0)])
+    NCB = varlen_chunk_slots(T, N)
+    slots = torch.arange(NCB, device=cu.device, dtype=torch.int64)
+    # the sequence whose chunks [offsets[n], offsets[n + 1]) hold the slot
+    n = torch.searchsorted(chunk_offsets[1:].contiguous(), slots, right=True)
+    valid = n < N
+    c = slots - chunk_offsets.gather(0, n.clamp(max=max(N - 1, 0)))
+    chunk_index = torch.stack([torch.where(valid, n, -1), torch.where(valid, c, 0)], dim=1).to(torch.int32)
+    return chunk_index.contiguous(), chunk_offsets, NCB
+
+
+def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: Optional[Tensor] = None) -> dict:
     """Sizes and block shapes of one call. ``scan_batch`` stands in for B when the
     scans' V block is chosen (the export op: no branch on a batch size that stays
-    symbolic)."""
+    symbolic). ``cu_seqlens``: N packed sequences (B = 1); NC is then the chunk
+    slot count, NSEQ = N the per-sequence programs, and VL_CHUNK / VL_SEQ the
+    index tensors the chunk-parallel / per-sequence kernels take (_indexing.py;
+    stand-ins that are never read otherwise)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_offsets(T, HV, K, V)
     _check_grid(B, HV, T)
+    if cu_seqlens is None:
+        varlen = dict(NC=triton.cdiv(T, BT), NSEQ=B, NCS=triton.cdiv(T, BT) + 1, IS_VARLEN=False,
+                      VL_CHUNK=(q, q), VL_SEQ=(q, q), FIRST_UNUSED_STATE=None)
+    else:
+        N = cu_seqlens.shape[0] - 1
+        _check_grid(N, HV, T + N * BT)
+        chunk_index, chunk_offsets, NCB = _varlen_index(cu_seqlens, T)
+        cu = cu_seqlens.contiguous()
+        varlen = dict(NC=NCB, NSEQ=N, NCS=varlen_state_slots(T, N), IS_VARLEN=True,
+                      VL_CHUNK=(cu, chunk_index), VL_SEQ=(cu, chunk_offsets),
+                      FIRST_UNUSED_STATE=chunk_offsets[-1:] + N)
     # Blocks of at least 32: a wrong dk was seen on the H200 with K = 32, V = 16
     # (BV = 16) that the interpreter computed right; cause not established.
     BK = max(32, triton.next_power_of_2(K))
@@ -111,7 +144,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None) -> dict:
     bv_scan_min = S.BV_SCAN if bf16_operands else S.BV_SCAN_FP32_OPERANDS
     return dict(
         B=B, T=T, H=H, K=K, HV=HV, V=V,
-        NC=triton.cdiv(T, BT),
+        **varlen,
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
@@ -131,10 +164,11 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None) -> dict:
 _SERVES = "cuda"
 
 
-def _layout(q: Tensor, v: Tensor) -> tuple[list, int]:
+def _layout(q: Tensor, v: Tensor, cu_seqlens: Optional[Tensor] = None) -> tuple[list, int]:
     """``kda_op._contract.intermediates_layout`` for these inputs."""
     B, T, _, K = q.shape
-    return intermediates_layout(B, T, v.shape[2], K, v.shape[3], q.dtype, _SERVES)
+    num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return intermediates_layout(B, T, v.shape[2], K, v.shape[3], q.dtype, _SERVES, num_seqs)
 
 
 def _intermediates_views(buffer: Tensor, layout: list) -> dict:

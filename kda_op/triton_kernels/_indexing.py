@@ -1,4 +1,18 @@
-"""Index helpers shared by the kernels."""
+"""Index helpers shared by the kernels: which sequence, head and chunk a
+program serves, for a batch of equal-length sequences ([B, T, ...]) or, with
+IS_VARLEN, for sequences packed along T (B = 1, ``cu_seqlens`` [N + 1]).
+
+Packed sequences never share a chunk: sequence n's chunks are numbered
+globally from ``chunk_offsets[n]`` (the chunks of the sequences before it), so
+per-chunk buffers ([NCB, HV, ...], NCB = T // BT + N slots, an upper bound on
+the chunk count that needs no host sync) and the padded gam buffer take the
+global chunk index, and the chunk states (each sequence's NC_n + 1 boundaries)
+start at ``chunk_offsets[n] + n``. Chunk-parallel kernels run one program per
+slot of NCB; ``chunk_index`` [NCB, 2] says which (sequence, chunk) a slot holds,
+(-1, 0) for a slot beyond the last chunk, whose program sees a sequence of
+length 0: every masked load and store is off and the rest writes only that
+slot's own entries.
+"""
 
 from __future__ import annotations
 
@@ -10,8 +24,61 @@ import triton.language as tl
 def sequence_and_heads(i_bh, T, H, HV):
     """From a program's (batch * value head) index (64-bit): the batch index, the
     value head, the query/key head it reads (GVA: i_hv // G) and the row where
-    its sequence starts (a variable-length batch would read it from cu_seqlens)."""
+    its sequence starts."""
     i_b = i_bh // HV
     i_hv = i_bh % HV
     i_h = i_hv // (HV // H)
     return i_b, i_hv, i_h, i_b * T
+
+
+@triton.jit
+def chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN: tl.constexpr):
+    """For a chunk-parallel program (chunk slot ``i_c``, (batch *) value head
+    ``i_bh``, 64-bit): ``(n, i_hv, i_h, bos, T_n, c, g_c, s_c)``: the sequence, the
+    value head, the key head, the sequence's first row, its length, the chunk
+    within it, the chunk's global index (per-chunk buffers) and the slot of the
+    state entering it (chunk states)."""
+    if IS_VARLEN:
+        i_hv = i_bh
+        n = tl.load(chunk_index + i_c * 2).to(tl.int64)
+        c = tl.load(chunk_index + i_c * 2 + 1)
+        valid = n >= 0
+        n = tl.maximum(n, 0)
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        T_n = tl.where(valid, tl.load(cu_seqlens + n + 1).to(tl.int64) - bos, 0)
+        g_c = i_c.to(tl.int64)
+        s_c = g_c + n
+    else:
+        n = i_bh // HV
+        i_hv = i_bh % HV
+        c = i_c
+        bos = n * T
+        T_n = T
+        g_c = n * NC + i_c
+        s_c = n * (NC + 1) + i_c
+    i_h = i_hv // (HV // H)
+    return n, i_hv, i_h, bos, T_n, c, g_c, s_c
+
+
+@triton.jit
+def sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """For a per-sequence program ((sequence *) value head ``i_bh``, 64-bit):
+    ``(n, i_hv, i_h, bos, T_n, NC_n, g_0, s_0)``: the sequence, the heads, its
+    first row, length and chunk count, its first chunk's global index and its
+    first chunk-state slot."""
+    n = i_bh // HV
+    i_hv = i_bh % HV
+    if IS_VARLEN:
+        bos = tl.load(cu_seqlens + n).to(tl.int64)
+        T_n = tl.load(cu_seqlens + n + 1).to(tl.int64) - bos
+        NC_n = tl.cdiv(T_n, BT)
+        g_0 = tl.load(chunk_offsets + n).to(tl.int64)
+        s_0 = g_0 + n
+    else:
+        bos = n * T
+        T_n = T
+        NC_n = NC
+        g_0 = n * NC
+        s_0 = n * (NC + 1)
+    i_h = i_hv // (HV // H)
+    return n, i_hv, i_h, bos, T_n, NC_n, g_0, s_0

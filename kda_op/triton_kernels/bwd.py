@@ -32,13 +32,13 @@ def kda_bwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
     chunk_states: Tensor, do: Tensor, dht: Optional[Tensor],
-    intermediates: Optional[Tensor] = None, gate: Optional[tuple] = None,
+    intermediates: Optional[Tensor] = None, gate: Optional[tuple] = None, cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Chunked backward: ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)`` as
     ``chunk_kda_bwd``. With fla's in-kernel gate (``gate``: ``(A_log, dt_bias,
     lower_bound)``, ``g`` the raw gate) dg is the raw gate's grad, and dA_log /
     ddt_bias the parameters' (empty where a parameter is absent, and always
-    without the gate).
+    without the gate). ``cu_seqlens``: packed sequences, as ``kda_fwd_triton``.
 
     Takes the intra-chunk quantities from ``intermediates`` (the forward's, when
     it kept them) or recomputes them, then runs the reverse scan and the
@@ -47,7 +47,7 @@ def kda_bwd_triton(
     """
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     chunk_states = chunk_states.contiguous()
-    s = _sizes(q, v)
+    s = _sizes(q, v, cu_seqlens=cu_seqlens)
     B, T, H, HV, K, V, NC = s["B"], s["T"], s["H"], s["HV"], s["K"], s["V"], s["NC"]
     G = HV // H
     scale = K**-0.5 if scale is None else float(scale)
@@ -58,8 +58,8 @@ def kda_bwd_triton(
     def empty():  # a fresh one each time: op outputs must not alias each other
         return q.new_empty(0, dtype=torch.float32)
 
-    if B * HV == 0 or NC == 0:
-        dh0 = (torch.zeros(B, HV, K, V, **f32) if dht is None else dht.to(torch.float32).clone())
+    if s["NSEQ"] * HV == 0 or T == 0:
+        dh0 = (torch.zeros(s["NSEQ"], HV, K, V, **f32) if dht is None else dht.to(torch.float32).clone())
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), dh0.to(dh0_dtype),
                 empty() if A_log is None else torch.zeros_like(A_log),
@@ -67,7 +67,7 @@ def kda_bwd_triton(
 
     prec = _dot_precision(q.dtype)
     if intermediates is not None and intermediates.numel() > 0:
-        x = _intermediates_views(intermediates, _layout(q, v)[0])
+        x = _intermediates_views(intermediates, _layout(q, v, cu_seqlens)[0])
     else:
         with record_function("kda_op::bwd::intra_recompute"):
             x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True, gate=gate)
@@ -78,22 +78,22 @@ def kda_bwd_triton(
     up = x["up"] if "up" in x else torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     dup = torch.empty(B, T, HV, V, **f32)
     dchunk_states = torch.empty(B, NC, HV, K, V, **f32)
-    dh0 = torch.empty(B, HV, K, V, **f32)
+    dh0 = torch.empty(s["NSEQ"], HV, K, V, **f32)
     dht_arg = dht.contiguous() if dht is not None else dh0
     with record_function("kda_op::bwd::state_scan"):
         kda_state_bwd_prep_kernel[(triton.cdiv(V, s["BV"]), NC, B * HV)](
             x["qg"], x["w"], x["u"], aqk, chunk_states, do,
             up, dup, dchunk_states,
-            T, NC,
+            *s["VL_CHUNK"], T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-            HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, num_warps=8,
+            HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], num_warps=8,
         )
-        kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), B * HV)](
+        kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), s["NSEQ"] * HV)](
             x["kr"], x["w"], gam, dht_arg,
             dup, dchunk_states, dh0,
-            T, NC,
+            *s["VL_SEQ"], T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_DHT=dht is not None, DOT_PREC=prec,
+            HAS_DHT=dht is not None, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
             num_warps=S.SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
 
@@ -113,18 +113,18 @@ def kda_bwd_triton(
         kda_intra_bwd_w_kernel[(NS, NC, B * HV)](
             q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
             dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
-            scale, T, NC,
+            *s["VL_CHUNK"], scale, T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS, BV=s["BV"],
             # one stage: its V loop is short, and prefetching it cost spills at 4 warps
-            DOT_PREC=prec, num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
+            DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
         )
     with record_function("kda_op::bwd::intra"):
         kda_intra_bwd_kernel[(NC, B * HV)](
             v, beta, akk, tm, up, dup, do, dtm_part, dbeta_part,
             dv, dbeta, dakk, daqk,
-            T, NC,
+            *s["VL_CHUNK"], T, NC,
             H=H, HV=HV, V=V, BT=BT, BV=s["BV"], NS=NS,
-            DOT_PREC=prec, num_warps=S.INTRA_BWD_WARPS,
+            DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_WARPS,
         )
     with record_function("kda_op::bwd::intra_through_a"):
         common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
@@ -133,8 +133,8 @@ def kda_bwd_triton(
         gate_parts = torch.empty(2, B, NC, HV, K, **f32) if gate is not None else None
         ddt_part, dla_part = (gate_parts[0], gate_parts[1]) if gate is not None else (dg, dg)  # unread without GATE
         args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg,
-                g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part, scale, T, NC)
-        flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"])
+                g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part, *s["VL_CHUNK"], scale, T, NC)
+        flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], IS_VARLEN=s["IS_VARLEN"])
         kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD_A), NC, B * HV)](
             *args, **common, **flags, BKD=S.BKD_A, STEEP=False, num_warps=S.INTRA_BWD_A_WARPS,
         )

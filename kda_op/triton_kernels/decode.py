@@ -20,7 +20,7 @@ from .recurrent_fwd import kda_recurrent_fwd_kernel
 def kda_recurrent_fwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
-    final_state_out: Optional[Tensor] = None, gate: Optional[tuple] = None,
+    final_state_out: Optional[Tensor] = None, gate: Optional[tuple] = None, cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """Token-by-token forward for decoding: ``(o, final_state)`` as
     ``fused_recurrent_kda_fwd``. ``final_state_out`` (internal, not reachable from
@@ -28,34 +28,37 @@ def kda_recurrent_fwd_triton(
     into, which may be ``initial_state`` itself (each program reads its state tile
     whole before it writes it back); the benchmark times the in-place update
     with it. ``gate``: None, or fla's in-kernel gate ``(A_log, dt_bias,
-    lower_bound)`` with ``g`` the raw gate (``_host._gate_args``)."""
+    lower_bound)`` with ``g`` the raw gate (``_host._gate_args``). ``cu_seqlens``:
+    N sequences packed along T (B = 1), states [N, HV, K, V]."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_offsets(T, HV, K, V)
-    _check_grid(B, HV, None)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1  # sequences
+    _check_grid(N, HV, None)
     scale = K**-0.5 if scale is None else float(scale)
     h0 = None if initial_state is None else initial_state.contiguous()
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     if final_state_out is None:
-        ht = torch.empty(B, HV, K, V, device=q.device, dtype=torch.float32)
+        ht = torch.empty(N, HV, K, V, device=q.device, dtype=torch.float32)
     else:
-        if (final_state_out.shape != (B, HV, K, V) or final_state_out.dtype != torch.float32
+        if (final_state_out.shape != (N, HV, K, V) or final_state_out.dtype != torch.float32
                 or not final_state_out.is_contiguous()):
-            raise ValueError(f"final_state_out: expected a contiguous fp32 tensor of shape {(B, HV, K, V)}, "
+            raise ValueError(f"final_state_out: expected a contiguous fp32 tensor of shape {(N, HV, K, V)}, "
                              f"got {final_state_out.dtype} {tuple(final_state_out.shape)}")
         ht = final_state_out
-    if B * HV == 0:
+    if N * HV == 0:
         return o, ht
     BK = max(16, triton.next_power_of_2(K))
     # Small V blocks: more programs in flight to hide the state's memory traffic.
     BV = min(S.RECURRENT_BV, max(16, triton.next_power_of_2(V)))
     ga = _gate_args(gate, g)
-    kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), B * HV)](
+    kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
-        scale, T, H, HV,
+        q if cu_seqlens is None else cu_seqlens.contiguous(), scale, T, H, HV,
         K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
         INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
+        IS_VARLEN=cu_seqlens is not None,
         num_warps=S.RECURRENT_WARPS, **({} if S.RECURRENT_MAXNREG is None else dict(maxnreg=S.RECURRENT_MAXNREG)),
     )
     return o, ht

@@ -29,6 +29,7 @@ from .output_fwd import kda_output_fwd_kernel
 from .prep import kda_prep_fwd_kernel
 from .settings import BC, BT, MAX_SPLIT
 from .state_fwd import kda_state_fwd_kernel
+from .zero_slots import kda_zero_slots_kernel
 
 
 def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] = None, traced: bool = False,
@@ -59,28 +60,31 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         )
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
-    common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
+    common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, IS_VARLEN=s["IS_VARLEN"])
     regs = dict(maxnreg=S.INTRA_A_FWD_MAXNREG) if S.INTRA_A_FWD_MAXNREG else {}
     gam_kernel = bool(S.INTRA_GAM_KERNEL) or gate is not None
     if gam_kernel:
         ga = _gate_args(gate, g)
         _kernel(kda_gam_fwd_kernel, traced)[(NC, B * HV, triton.cdiv(K, S.BKG))](
-            g, gam, ga["A_log"], ga["dt_bias"], ga["lower_bound"], T, NC, H=s["H"], HV=HV, K=K, BT=BT, BKG=S.BKG,
-            GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], num_warps=S.GAM_WARPS,
+            g, gam, ga["A_log"], ga["dt_bias"], ga["lower_bound"], *s["VL_CHUNK"], T, NC, H=s["H"], HV=HV, K=K, BT=BT,
+            BKG=S.BKG, GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], IS_VARLEN=s["IS_VARLEN"],
+            num_warps=S.GAM_WARPS,
         )
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
-        q, k, g, gam, akk, aqk, steep, qg, kr, scale, T, NC, **common, BKA=S.BKA, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
-        GAM_IN=gam_kernel, INTERPRET=_INTERPRET, num_warps=S.INTRA_A_FWD_WARPS, **regs,
+        q, k, g, gam, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
+        SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET, num_warps=S.INTRA_A_FWD_WARPS,
+        **regs,
     )
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
-        q, k, gam, akk, aqk, steep, scale, T, NC, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
+        q, k, gam, akk, aqk, steep, *s["VL_CHUNK"], scale, T, NC,
+        **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
         BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, num_warps=4,
     )
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-        k, v, beta, gam, akk, w, u, tm, T, NC,
+        k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"],
         STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
-        BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET,
+        BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
         num_warps=S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS,
     )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
@@ -89,29 +93,32 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
 def kda_fwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
-    keep_intermediates: bool = False, gate: Optional[tuple] = None,
+    keep_intermediates: bool = False, gate: Optional[tuple] = None, cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Chunked forward: ``(o, final_state, chunk_states, intermediates)`` as
     ``chunk_kda_fwd``. ``intermediates`` is the flat uint8 buffer of
     ``kda_op._contract.intermediates_layout`` when ``keep_intermediates``, else
     empty; with it the backward skips recomputing the intra-chunk stage.
     ``gate``: None, or fla's in-kernel gate ``(A_log, dt_bias, lower_bound)``
-    with ``g`` the raw gate (``_host._gate_args``)."""
+    with ``g`` the raw gate (``_host._gate_args``). ``cu_seqlens``: N sequences
+    packed along T (B = 1; _indexing.py); states are then [N, HV, K, V] and the
+    chunk states ``_contract.varlen_state_slots`` slots."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    s = _sizes(q, v)
+    s = _sizes(q, v, cu_seqlens=cu_seqlens)
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     scale = K**-0.5 if scale is None else float(scale)
     f32 = dict(device=q.device, dtype=torch.float32)
     h0 = None if initial_state is None else initial_state.contiguous()
 
-    layout, nbytes = _layout(q, v) if keep_intermediates else ([], 0)
+    layout, nbytes = _layout(q, v, cu_seqlens) if keep_intermediates else ([], 0)
     intermediates = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
     if keep_intermediates:
         _zero_alignment_gaps(intermediates, layout, nbytes)
-    chunk_states = torch.empty(B, NC + 1, HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    chunk_states = torch.empty(B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
     # Short sequences: one token-by-token launch, unless the backward wants the
-    # chunked intermediates.
-    if 0 < T <= S.RECURRENT_MAX_T and not keep_intermediates:
+    # chunked intermediates (or the sequences are packed: their chunk states are
+    # laid out per sequence).
+    if 0 < T <= S.RECURRENT_MAX_T and not keep_intermediates and cu_seqlens is None:
         with record_function("kda_op::fwd::recurrent"):
             o, ht = kda_recurrent_fwd_triton(q, k, v, g, beta, scale, h0, gate=gate)
         if h0 is None:
@@ -120,22 +127,22 @@ def kda_fwd_triton(
             chunk_states[:, 0].copy_(h0)
         chunk_states[:, 1].copy_(ht)
         return o, ht, chunk_states, intermediates
-    ht = torch.empty(B, HV, K, V, **f32)
+    ht = torch.empty(s["NSEQ"], HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    if B * HV == 0:
+    if s["NSEQ"] * HV == 0:
         return o, ht, chunk_states, intermediates
     prec = _dot_precision(q.dtype)
-    if NC > 0:
+    if NC > 0 and T > 0:
         with record_function("kda_op::fwd::intra"):
             kept = _intermediates_views(intermediates, layout) if keep_intermediates else None
             x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept, gate=gate)
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
-    up = kept["up"] if keep_intermediates and NC > 0 else torch.empty(B, T, HV, V, device=q.device,
-                                                                        dtype=residual_dtype(q.dtype))
+    up = kept["up"] if keep_intermediates and NC > 0 and T > 0 else torch.empty(B, T, HV, V, device=q.device,
+                                                                                  dtype=residual_dtype(q.dtype))
     with record_function("kda_op::fwd::state_scan"):
         _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=False)
-    if NC > 0:
+    if NC > 0 and T > 0:
         with record_function("kda_op::fwd::output"):
             _output_fwd(x, up, chunk_states, o, s, prec, traced=False)
     return o, ht, chunk_states, intermediates
@@ -143,14 +150,21 @@ def kda_fwd_triton(
 
 def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Tensor, ht: Tensor,
                     s: dict, prec: str, traced: bool) -> None:
-    """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht."""
+    """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht;
+    for packed sequences, zeros into the chunk-state slots past the last one's."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
-    _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN_FWD"]), B * HV)](
-        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, T, NC,
+    _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
+        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, *s["VL_SEQ"], T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
+        IS_VARLEN=s["IS_VARLEN"],
         num_warps=S.SCAN_FWD_WARPS or S.SCAN_WARPS, num_stages=s["SCAN_FWD_STAGES"],
     )
+    if s["IS_VARLEN"]:
+        row = HV * K * V
+        _kernel(kda_zero_slots_kernel, traced)[(s["NCS"], triton.cdiv(row, 1024))](
+            chunk_states, s["FIRST_UNUSED_STATE"], row, BLOCK=1024, num_warps=4,
+        )
 
 
 def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, prec: str, traced: bool) -> None:
@@ -158,15 +172,17 @@ def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, p
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     bv_out = S.BV_OUTPUT or s["BV"]
     _kernel(kda_output_fwd_kernel, traced)[(triton.cdiv(V, bv_out), NC, B * HV)](
-        x["qg"], x["aqk"], up, chunk_states, o, T, NC,
+        x["qg"], x["aqk"], up, chunk_states, o, *s["VL_CHUNK"], T, NC,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
-        DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, num_warps=S.OUTPUT_WARPS,
+        DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
+        num_warps=S.OUTPUT_WARPS,
     )
 
 
 def kda_fwd_triton_export(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor], gate: Optional[tuple] = None,
+    cu_seqlens: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The chunked forward as host code that torch.export and inductor can trace
     (the body of ``kda_op::chunk_kda_fwd_export``): ``(o, final_state,
@@ -177,15 +193,15 @@ def kda_fwd_triton_export(
     The same kernels with the same settings as ``kda_fwd_triton`` (up to the scans'
     V block), so the same numbers."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    s = _sizes(q, v, scan_batch=1)
+    s = _sizes(q, v, scan_batch=1, cu_seqlens=cu_seqlens)
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     scale = K**-0.5 if scale is None else float(scale)
     f32 = dict(device=q.device, dtype=torch.float32)
     h0 = None if initial_state is None else initial_state.contiguous()
     prec = _dot_precision(q.dtype)
 
-    chunk_states = torch.empty(B, NC + 1, HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
-    ht = torch.empty(B, HV, K, V, **f32)
+    chunk_states = torch.empty(B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    ht = torch.empty(s["NSEQ"], HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True, gate=gate)
     up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))

@@ -16,25 +16,27 @@ import triton
 import triton.language as tl
 
 from ._gate import gate_fwd, gate_params
-from ._indexing import sequence_and_heads
+from ._indexing import chunk_coords
 
 
 @triton.jit
 def kda_gam_fwd_kernel(
     g, gam, A_log, dt_bias, lower_bound,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKG: tl.constexpr,
     GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
 ):
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_k = tl.program_id(2)
-    i_b, i_hv, _, bos = sequence_and_heads(i_bh, T, H, HV)
+    i_b, i_hv, _, bos, T, i_c, g_c, _ = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     g += (bos * HV + i_hv) * K
-    gam += (i_b * NC * BT * HV + i_hv) * K
+    gam += ((g_c - i_c) * BT * HV + i_hv) * K
     o_t = i_c * BT + tl.arange(0, BT)
     o_k = i_k * BKG + tl.arange(0, BKG)
     m_k = o_k < K

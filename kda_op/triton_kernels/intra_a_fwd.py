@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored
-from ._indexing import sequence_and_heads
+from ._indexing import chunk_coords
 
 
 @triton.jit
@@ -46,11 +46,13 @@ def _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC: tl.constexpr):
 @triton.jit
 def kda_intra_a_fwd_kernel(
     q, k, g, gam, akk, aqk, steep, qg, kr,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = False,
     GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
 ):
     # GAM_IN: gam was written by gam_fwd.py (settings.INTRA_GAM_KERNEL): read here,
     # with its middle and last rows as vector loads, and not stored again.
@@ -63,8 +65,8 @@ def kda_intra_a_fwd_kernel(
     scale = tl.cast(scale, tl.float32)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
-    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
+    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
+    bos_pad = (g_c - i_c) * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     q += (bos * H + i_h) * K
@@ -120,7 +122,7 @@ def kda_intra_a_fwd_kernel(
         spread = tl.max(tl.max(b_spread, 1), 0)
 
     is_steep = spread > MAX_SPLIT
-    tl.store(steep + (i_b * NC + i_c) * HV + i_hv, is_steep.to(tl.int32))
+    tl.store(steep + g_c * HV + i_hv, is_steep.to(tl.int32))
     if not is_steep:
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
         tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
@@ -130,10 +132,12 @@ def kda_intra_a_fwd_kernel(
 @triton.jit
 def kda_intra_a_fwd_steep_kernel(
     q, k, gam, akk, aqk, steep,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
 ):
     """The A's of the chunks kda_intra_a_fwd_kernel marked steep; the others return
     at once. Row block by row block (BC rows), over K slices (BKS wide): the
@@ -143,9 +147,9 @@ def kda_intra_a_fwd_steep_kernel(
     scale = tl.cast(scale, tl.float32)  # fp64 where inductor launches it (see above)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
-    if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) != 0:
-        bos_pad = i_b * NC * BT
+    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
+    if tl.load(steep + g_c * HV + i_hv) != 0:
+        bos_pad = (g_c - i_c) * BT
         q += (bos * H + i_h) * K
         k += (bos * H + i_h) * K
         gam += (bos_pad * HV + i_hv) * K

@@ -12,21 +12,23 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._indexing import sequence_and_heads
+from ._indexing import chunk_coords
 
 
 @triton.jit
 def kda_intra_bwd_kernel(
     v, beta, akk, tm, up, dup, do, dtm_part, dbeta_part,
     dv, dbeta, dakk, daqk,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr = False,
 ):
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     v += (bos * HV + i_hv) * V
@@ -40,7 +42,7 @@ def kda_intra_bwd_kernel(
     tm += (bos * HV + i_hv) * BT
     dakk += (bos * HV + i_hv) * BT
     daqk += (bos * HV + i_hv) * BT
-    i_chunk = (i_b * NC + i_c) * HV + i_hv  # this chunk and head among [B, NC, HV]
+    i_chunk = g_c * HV + i_hv  # this chunk and head among [B, NC, HV]
     dtm_part += i_chunk * NS * BT * BT
     dbeta_part += i_chunk * NS * BT
     t0 = i_c * BT

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ._gate import gate_bwd, gate_params
-from ._indexing import sequence_and_heads
+from ._indexing import chunk_coords
 
 
 @triton.jit
@@ -32,12 +32,14 @@ def kda_intra_bwd_a_kernel(
     q, k, gam, dakk, daqk, dgam_last, steep,
     dq, dk, dgam, dg,
     g, A_log, dt_bias, lower_bound, ddt_part, dla_part,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
     STEEP: tl.constexpr, DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
     GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
 ):
     """STEEP = False: the chunks the forward split at their middle row (the others
     return at once); STEEP = True: the steep ones, with sub-blocks."""
@@ -46,8 +48,8 @@ def kda_intra_bwd_a_kernel(
     i_s = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
-    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
+    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
+    bos_pad = (g_c - i_c) * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     q += (bos * H + i_h) * K
@@ -59,18 +61,18 @@ def kda_intra_bwd_a_kernel(
     dk += (bos * HV + i_hv) * K
     dg += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
-    dgam_last += ((i_b * NC + i_c) * HV + i_hv) * K
+    dgam_last += (g_c * HV + i_hv) * K
     t0 = i_c * BT
 
     o_s = i_s * BKD + tl.arange(0, BKD)
     m_s = o_s < K
     if GATE:
         g += (bos * HV + i_hv) * K  # the raw gate: dg's layout
-        ddt_part += ((i_b * NC + i_c) * HV + i_hv) * K
-        dla_part += ((i_b * NC + i_c) * HV + i_hv) * K
+        ddt_part += (g_c * HV + i_hv) * K
+        dla_part += (g_c * HV + i_hv) * K
         b_ga, b_gbias = gate_params(A_log, dt_bias, i_hv, o_s, m_s, K, HAS_A, HAS_BIAS)
     if not STEEP:
-        if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) == 0:
+        if tl.load(steep + g_c * HV + i_hv) == 0:
             # Split at the middle row m as the forward did: every factor lies within
             # exp(+-MAX_SPLIT); dA_kk and dA_qk are zero above their diagonals, so no
             # overflowing product enters.
@@ -110,7 +112,7 @@ def kda_intra_bwd_a_kernel(
     else:
         o_c = tl.arange(0, BC)
         causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
-        if tl.load(steep + (i_b * NC + i_c) * HV + i_hv) != 0:
+        if tl.load(steep + g_c * HV + i_hv) != 0:
             b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
             b_ddt = tl.zeros([BKD], dtype=tl.float32)  # the gate's partial sums (GATE)
             b_dla_sum = tl.zeros([BKD], dtype=tl.float32)

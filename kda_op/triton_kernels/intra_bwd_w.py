@@ -16,26 +16,28 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._indexing import sequence_and_heads
+from ._indexing import chunk_coords
 
 
 @triton.jit
 def kda_intra_bwd_w_kernel(
     q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
     dq, dk, dgam, dgam_last, dtm_part, dbeta_part,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr = False,
 ):
     # The K slice varies fastest over the grid: the slices of one chunk run side by
     # side and share their loads of dO, U', dU', Tm through L2.
     i_s = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
-    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
+    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
+    bos_pad = (g_c - i_c) * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     q += (bos * H + i_h) * K
@@ -49,7 +51,7 @@ def kda_intra_bwd_w_kernel(
     dq += (bos * HV + i_hv) * K
     dk += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
-    i_chunk = (i_b * NC + i_c) * HV + i_hv  # this chunk and head among [B, NC, HV]
+    i_chunk = g_c * HV + i_hv  # this chunk and head among [B, NC, HV]
     dgam_last += i_chunk * K
     dtm_part += (i_chunk * tl.num_programs(0) + i_s) * BT * BT
     dbeta_part += (i_chunk * tl.num_programs(0) + i_s) * BT
@@ -58,7 +60,7 @@ def kda_intra_bwd_w_kernel(
     o_r = tl.arange(0, BT)
     o_t = t0 + o_r
     m_t = o_t < T
-    s0_base = chunk_states + ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V
+    s0_base = chunk_states + (s_c * HV + i_hv) * K * V
     dsc_base = dchunk_states + i_chunk * K * V
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)

@@ -12,26 +12,28 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
-from ._indexing import sequence_and_heads
+from ._indexing import chunk_coords
 
 
 @triton.jit
 def kda_intra_wu_fwd_kernel(
     k, v, beta, gam, akk,
     w, u, tm,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
 ):
     # BF16_DOTS (bf16 inputs): W and U from Tm and their right-hand sides rounded to
     # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
-    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
+    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
+    bos_pad = (g_c - i_c) * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     k += (bos * H + i_h) * K

@@ -9,19 +9,21 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
-from ._indexing import sequence_and_heads
+from ._indexing import chunk_coords
 
 
 @triton.jit
 def kda_output_fwd_kernel(
     qg, aqk, up, chunk_states,
     o,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
 ):
     # BF16_DOTS (bf16 Qg only): S0, A_qk and U' enter the dots rounded to bf16 (fp32
     # accumulation), the precision of the bf16 output they make.
@@ -30,14 +32,14 @@ def kda_output_fwd_kernel(
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     qg += (bos * HV + i_hv) * K
     aqk += (bos * HV + i_hv) * BT
     up += (bos * HV + i_hv) * V
     o += (bos * HV + i_hv) * V
-    chunk_states += ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V
+    chunk_states += (s_c * HV + i_hv) * K * V
 
     o_t = i_c * BT + tl.arange(0, BT)
     m_t = o_t < T

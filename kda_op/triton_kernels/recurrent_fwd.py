@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._gate import gate_fwd, gate_params
-from ._indexing import sequence_and_heads
+from ._indexing import sequence_coords
 
 
 @triton.jit
@@ -20,12 +20,14 @@ def kda_recurrent_fwd_kernel(
     q, k, v, g, beta, h0,
     o, ht,
     A_log, dt_bias, lower_bound,
+    cu_seqlens,  # varlen (IS_VARLEN): _indexing.py
     scale, T,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STREAM_HINTS: tl.constexpr = False, INPUT_HINTS: tl.constexpr = False,
     GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
 ):
     # GATE: fla's in-kernel gate (_gate.py) on each token's raw g
     # STREAM_HINTS: the state is read once and written once, never reused by this
@@ -35,7 +37,7 @@ def kda_recurrent_fwd_kernel(
     # evict-last; v and o, read or written once, evict-first.
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    i_b, i_hv, i_h, bos, T, _, _, _ = sequence_coords(i_bh, T, 0, H, HV, cu_seqlens, cu_seqlens, 1, IS_VARLEN)
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     q += (bos * H + i_h) * K

@@ -20,18 +20,20 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored
-from ._indexing import sequence_and_heads
+from ._indexing import chunk_coords, sequence_coords
 
 
 @triton.jit
 def kda_state_bwd_prep_kernel(
     qg, w, u, aqk, chunk_states, do,
     up, dup, dchunk_states,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_UP: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
 ):
     """HAS_UP: U' is already there (the forward kept it); skip S0, W and U."""
     # The V block varies fastest over the grid: the blocks of one chunk run side by
@@ -39,7 +41,7 @@ def kda_state_bwd_prep_kernel(
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
+    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     qg += (bos * HV + i_hv) * K
@@ -49,8 +51,8 @@ def kda_state_bwd_prep_kernel(
     dup += (bos * HV + i_hv) * V
     do += (bos * HV + i_hv) * V
     aqk += (bos * HV + i_hv) * BT
-    chunk_states += ((i_b * (NC + 1) + i_c) * HV + i_hv) * K * V
-    dchunk_states += ((i_b * NC + i_c) * HV + i_hv) * K * V
+    chunk_states += (s_c * HV + i_hv) * K * V
+    dchunk_states += (g_c * HV + i_hv) * K * V
 
     o_r = tl.arange(0, BT)
     o_t = i_c * BT + o_r
@@ -84,16 +86,19 @@ def kda_state_bwd_prep_kernel(
 def kda_state_bwd_kernel(
     kr, w, gam, dht,
     dup, dchunk_states, dh0,
+    cu_seqlens, chunk_offsets,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_VARLEN: tl.constexpr = False,
 ):
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
-    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
+    i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT,
+                                                         IS_VARLEN)
+    bos_pad = g_0 * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     kr += (bos * HV + i_hv) * K
@@ -102,7 +107,7 @@ def kda_state_bwd_kernel(
     gam += (bos_pad * HV + i_hv) * K
     dht += (i_b * HV + i_hv) * K * V
     dh0 += (i_b * HV + i_hv) * K * V
-    dchunk_states += (i_b * NC * HV + i_hv) * K * V
+    dchunk_states += (g_0 * HV + i_hv) * K * V
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk to the next
 
     o_k = tl.arange(0, BK)

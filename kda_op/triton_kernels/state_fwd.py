@@ -12,27 +12,29 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
-from ._indexing import sequence_and_heads
+from ._indexing import sequence_coords
 
 
 @triton.jit
 def kda_state_fwd_kernel(
     kr, w, u, gam, h0,
     up, chunk_states, ht,
+    cu_seqlens, chunk_offsets,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
 ):
     # BF16_DOTS (bf16 W and Kr only): the state and U' enter the dots rounded to
     # bf16 (fp32 accumulation, S itself carried in fp32): half the MMA steps of TF32
     # on the scan's serial path and no widening of W and Kr.
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos = sequence_and_heads(i_bh, T, H, HV)
-    bos_pad = i_b * NC * BT  # where the sequence starts in the padded gam buffer
+    i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT, IS_VARLEN)
+    bos_pad = g_0 * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
     # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
     kr += (bos * HV + i_hv) * K
@@ -42,7 +44,7 @@ def kda_state_fwd_kernel(
     gam += (bos_pad * HV + i_hv) * K
     h0 += (i_b * HV + i_hv) * K * V
     ht += (i_b * HV + i_hv) * K * V
-    chunk_states += (i_b * (NC + 1) * HV + i_hv) * K * V
+    chunk_states += (s_0 * HV + i_hv) * K * V
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk boundary to the next
 
     o_k = tl.arange(0, BK)

@@ -1,0 +1,19 @@
+"""Packed sequences (cu_seqlens): zero the chunk-state slots past the last
+sequence's. Their number depends on the sequence lengths, which stay on the
+device (no host sync), so one program per slot of the bound
+(``_contract.varlen_state_slots``) reads where the unused ones begin and writes
+zeros only there: the op's output is then fully determined by its inputs."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def kda_zero_slots_kernel(x, first_unused, row_size, BLOCK: tl.constexpr):
+    i_row = tl.program_id(0).to(tl.int64)
+    i_blk = tl.program_id(1)
+    if i_row >= tl.load(first_unused):
+        o = i_blk * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x + i_row * row_size + o, tl.zeros([BLOCK], dtype=x.dtype.element_ty), mask=o < row_size)
