@@ -47,8 +47,13 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.INTRA_A_FWD_MAXNREG
     if fn.__name__ == "kda_recurrent_fwd_kernel" and S.RECURRENT_MAXNREG:
         options["maxnreg"] = S.RECURRENT_MAXNREG
-    return triton.compile(ASTSource(fn=fn, signature={**signature, **{k: "constexpr" for k in constexprs}},
-                                    constexprs=constexprs),
+    # in the kernel's parameter order: Triton >= 3.7 reads the signature by position
+    merged = {**signature, **{k: "constexpr" for k in constexprs}}
+    params = list(inspect.signature(fn.fn).parameters)
+    missing = [p for p in params if p not in merged]
+    if missing:
+        raise ValueError(f"{fn.__name__}: no type or value for {missing}")
+    return triton.compile(ASTSource(fn=fn, signature={p: merged[p] for p in params}, constexprs=constexprs),
                           target=TARGET, options=options)
 
 
@@ -123,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gate", type=int, choices=[0, 1, 2], default=0,
                         help="fla's in-kernel gate in the kernels that read g or write dg (0 off, 1 softplus, "
                              "2 lower bound)")
+    parser.add_argument("--varlen", action="store_true", help="the variants for packed sequences (cu_seqlens)")
     parser.add_argument("--set", nargs="*", default=[],
                         help="settings.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
     args = parser.parse_args(argv)
@@ -158,61 +164,65 @@ def main(argv: list[str] | None = None) -> int:
     gate = dict(GATE=args.gate, HAS_A=args.gate > 0, HAS_BIAS=args.gate > 0)
     gate_sig = dict(A_log=f32, dt_bias=f32, lower_bound="fp32")
     graw = x if args.gate else f32
+    # packed sequences (--varlen): the kernels' IS_VARLEN variants and their index arguments
+    varlen = dict(IS_VARLEN=bool(args.varlen))
+    vl_chunk = dict(cu_seqlens="*i64", chunk_index="*i32")
+    vl_seq = dict(cu_seqlens="*i64", chunk_offsets="*i64")
     runs = [
-        (gam_fwd.kda_gam_fwd_kernel, dict(g=graw, gam=f32, **gate_sig, **ints), dict(K=K, BT=BT, BKG=S.BKG, **gate),
+        (gam_fwd.kda_gam_fwd_kernel, dict(**vl_chunk, g=graw, gam=f32, **gate_sig, **ints), dict(**varlen, K=K, BT=BT, BKG=S.BKG, **gate),
          S.GAM_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_kernel,
-         dict(q=x, k=x, g=f32, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
-         dict(K=K, BT=BT, BKA=S.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
+         dict(**vl_chunk, q=x, k=x, g=f32, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
+         dict(**varlen, K=K, BT=BT, BKA=S.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
               GAM_IN=bool(S.INTRA_GAM_KERNEL)),
          S.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
-         dict(q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
-         dict(K=K, BT=BT, BC=BC, BKS=S.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
+         dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKS=S.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT), 4, 3),
         # as the forward that keeps its intermediates (and the backward's recompute)
         # launches it, then as one that keeps nothing
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
-           dict(k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
-           dict(common, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
+           dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
+           dict(common, **varlen, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
                 BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
            S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
         (state_fwd.kda_state_fwd_kernel,
-         dict(kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=cs, ht=f32, **ints),
-         dict(common, BK=s["BK"], BV=s["BV_SCAN_FWD"], HAS_H0=True, DOT_PREC=prec,
+         dict(**vl_seq, kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=cs, ht=f32, **ints),
+         dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN_FWD"], HAS_H0=True, DOT_PREC=prec,
               BF16_DOTS=S.SCAN_BF16_DOTS and args.dtype == "bf16"),
          S.SCAN_FWD_WARPS or S.SCAN_WARPS, s["SCAN_FWD_STAGES"]),
         (output_fwd.kda_output_fwd_kernel,
-         dict(qg=op, aqk=aq, up=res, chunk_states=cs, o=x, **ints),
-         dict(common, BK=s["BK"], BV=S.BV_OUTPUT or s["BV"], DOT_PREC=prec,
+         dict(**vl_chunk, qg=op, aqk=aq, up=res, chunk_states=cs, o=x, **ints),
+         dict(common, **varlen, BK=s["BK"], BV=S.BV_OUTPUT or s["BV"], DOT_PREC=prec,
               BF16_DOTS=S.OUTPUT_BF16_DOTS and args.dtype == "bf16"), S.OUTPUT_WARPS, 3),
         (state_bwd.kda_state_bwd_prep_kernel,
-         dict(qg=op, w=op, u=res, aqk=aq, chunk_states=cs, do=x, up=res, dup=f32, dchunk_states=f32, **ints),
-         dict(common, BK=s["BK"], BV=s["BV"], HAS_UP=True, DOT_PREC=prec), 8, 3),
+         dict(**vl_chunk, qg=op, w=op, u=res, aqk=aq, chunk_states=cs, do=x, up=res, dup=f32, dchunk_states=f32, **ints),
+         dict(common, **varlen, BK=s["BK"], BV=s["BV"], HAS_UP=True, DOT_PREC=prec), 8, 3),
         (state_bwd.kda_state_bwd_kernel,
-         dict(kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=f32, dh0=f32, **ints),
-         dict(common, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), S.SCAN_WARPS, s["SCAN_STAGES"]),
+         dict(**vl_seq, kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=f32, dh0=f32, **ints),
+         dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), S.SCAN_WARPS, s["SCAN_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
-         dict(q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=f32, do=x,
+         dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=f32, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, scale="fp32", **ints),
-         dict(common, BKS=S.BKS, BV=s["BV"], DOT_PREC=prec), S.INTRA_BWD_W_WARPS, 1),
+         dict(common, **varlen, BKS=S.BKS, BV=s["BV"], DOT_PREC=prec), S.INTRA_BWD_W_WARPS, 1),
         (intra_bwd.kda_intra_bwd_kernel,
-         dict(v=x, beta=x, akk=f32, tm=f32, up=res, dup=f32, do=x, dtm_part=f32, dbeta_part=f32,
+         dict(**vl_chunk, v=x, beta=x, akk=f32, tm=f32, up=res, dup=f32, do=x, dtm_part=f32, dbeta_part=f32,
               dv=x, dbeta=x, dakk=f32, daqk=f32, **ints),
-         dict(V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, S.BKS), DOT_PREC=prec), S.INTRA_BWD_WARPS, 3),
+         dict(**varlen, V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, S.BKS), DOT_PREC=prec), S.INTRA_BWD_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
-         dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
+         dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
-         dict(K=K, BT=BT, BC=BC, BKD=BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate),
          S.INTRA_BWD_A_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
-         dict(q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
+         dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
-         dict(K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT, **gate), 4, 3),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT, **gate), 4, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
-         dict(q=x, k=x, v=x, g=graw, beta=x, h0=f32, o=x, ht=f32, **gate_sig, scale="fp32", T="i32", H="i32",
+         dict(cu_seqlens="*i64", q=x, k=x, v=x, g=graw, beta=x, h0=f32, o=x, ht=f32, **gate_sig, scale="fp32", T="i32", H="i32",
               HV="i32"),
-         dict(K=K, V=V, BK=s["BK"], BV=S.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
+         dict(**varlen, K=K, V=V, BK=s["BK"], BV=S.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
               INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), **gate),
          S.RECURRENT_WARPS, 3),
         (prep.kda_prep_fwd_kernel,

@@ -35,6 +35,7 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
     ("--set", "INTRA_GAM_KERNEL=0", "BKA=16", "INTRA_WU_BV=None"),  # the sixth session's intra-chunk forward
     ("--gate", "1"),  # fla's in-kernel gate, softplus form
     ("--gate", "2"),  # ... lower-bound form
+    ("--varlen", "--gate", "1"),  # packed sequences (cu_seqlens), as fla's layer trains
 ])
 def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
     """bf16 inputs under the options that are not the defaults."""
