@@ -7,6 +7,8 @@ k l2-normalised, g = logsigmoid(randn) clamped to >= -5 in fp32,
 beta = sigmoid(rand), fp32 initial state). Needs a CUDA GPU and fla.
 
     python benchmarks/bench_chunk_kda.py [--out benchmarks/RESULTS.md]
+    python benchmarks/bench_chunk_kda.py --mode layer    # fla's layer flags on (LAYER_FLAGS)
+    python benchmarks/bench_chunk_kda.py --mode varlen   # packed sequences, layer flags
 """
 
 from __future__ import annotations
@@ -45,6 +47,41 @@ def make_inputs(B, T, H, HV, seed=0):
     h0 = randn(B, HV, K, V)
     do = randn(B, T, HV, V).to(dt)
     return [x.requires_grad_(True) for x in (q, k, v, g, beta, h0)], do
+
+
+# fla's layer as Kimi-Linear-style models train with it (fla/layers/kda.py): raw q,
+# k, gate and beta logits, every in-kernel option on, no states.
+LAYER_FLAGS = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                   safe_gate=True, lower_bound=-5.0)
+VARLEN_H = 16
+
+
+def make_layer_inputs(B, T, H, HV, seed=0):
+    """Layer-style inputs: what fla's layer hands chunk_kda (bf16 projections, fp32
+    A_log [HV] and dt_bias [HV * K]); the parameters take grads too."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen)
+
+    dt = torch.bfloat16
+    q, k, v, g, beta = (randn(B, T, H, K).to(dt), randn(B, T, H, K).to(dt), randn(B, T, HV, V).to(dt),
+                        randn(B, T, HV, K).to(dt), randn(B, T, HV).to(dt))
+    A_log = torch.empty(HV, device="cuda").uniform_(1, 16, generator=gen).log()
+    dt_bias = randn(HV * K) * 0.5
+    do = randn(B, T, HV, V).to(dt)
+    return [x.requires_grad_(True) for x in (q, k, v, g, beta)], dict(A_log=A_log.requires_grad_(True),
+                                                                    dt_bias=dt_bias.requires_grad_(True)), do
+
+
+def varlen_lengths(name: str) -> list:
+    """The varlen rows' sequence lengths: 8192 tokens of mixed lengths (1, 63, 65
+    among them), or 2048 sequences of 1 to 64 tokens."""
+    if name == "varlen-mixed-T8192":
+        head = [1, 63, 65, 64, 2, 129, 1000, 3000]
+        return head + [8192 - sum(head) - 700, 700]
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(1, 65, (2048,), generator=gen).tolist()
 
 
 def bench(fn, grad_to_none=None):
@@ -96,6 +133,9 @@ def main() -> int:
                         help="which standard shapes (by name) to time; default all")
     parser.add_argument("--impl", choices=["both", "ours"], default="both",
                         help="'ours' skips fla (no ratios), e.g. to time our kernels without fla's autotuning")
+    parser.add_argument("--mode", choices=["standard", "layer", "varlen"], default="standard",
+                        help="standard: the standard shapes' inputs; layer: fla's layer flags on (LAYER_FLAGS) at "
+                             "the standard shapes; varlen: packed sequences with the layer flags")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="also time ours under other launch settings (comma-separated NAME=VALUE of "
                              "kda_op/triton_kernels/settings.py's upper-case settings, one string per variant)")
@@ -122,9 +162,25 @@ def main() -> int:
         raise SystemExit(f"unknown shapes {sorted(unknown)}; the standard ones are {[n for n, *_ in SHAPES]}")
     cases = [(name.replace("T8192", f"T{T}"), B, T, H, HV) for name, B, _, H, HV in SHAPES
              if name in args.shapes for T in args.seq_lens]
+    if args.mode == "varlen":
+        cases = [(name, 1, None, VARLEN_H, VARLEN_H) for name in ("varlen-mixed-T8192", "varlen-2048x1-64")]
     for name, B, T, H, HV in cases:
-        inputs, do = make_inputs(B, T, H, HV)
-        q, k, v, g, beta, h0 = inputs
+        if args.mode == "standard":
+            inputs, do = make_inputs(B, T, H, HV)
+            q, k, v, g, beta, h0 = inputs
+            kwargs = dict(initial_state=h0, output_final_state=True)
+        else:
+            if args.mode == "varlen":
+                lengths = varlen_lengths(name)
+                T = sum(lengths)
+                cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+            inputs, params, do = make_layer_inputs(B, T, H, HV)
+            q, k, v, g, beta = inputs
+            inputs = inputs + list(params.values())
+            kwargs = dict(LAYER_FLAGS, **params, output_final_state=True)
+            name = name if args.mode == "varlen" else f"{name} layer-style"
+            if args.mode == "varlen":
+                kwargs.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
         outs = {}
         steps = {}
         for label, fn in impls.items():
@@ -134,11 +190,11 @@ def main() -> int:
 
             def fwd(fn=fn, context=context):
                 with torch.no_grad(), context():
-                    return fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                    return fn(q, k, v, g, beta, **kwargs)
 
             def fwd_bwd(fn=fn, context=context):
                 with context():
-                    o, _ = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+                    o, _ = fn(q, k, v, g, beta, **kwargs)
                     o.backward(do)
 
             o, ht = fwd()
@@ -247,7 +303,7 @@ def write_table(rows, args, fla_version, csv_rows) -> None:
             f.write("shape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n" + "\n".join(csv_rows) + "\n")
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --impl {args.impl} "
+            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --mode {args.mode} --impl {args.impl} "
                     f"--shapes {' '.join(args.shapes)} --rounds {args.rounds}"
                     + (" --variants " + " ".join(f'"{v}"' for v in args.variants) if args.variants else "")
                     + f" --out {args.out}`\n\n{table}\n")

@@ -3,6 +3,8 @@
 #   bash benchmarks/run_gpu.sh tests   # every test (processes side by side, so
 #                                      # Triton compiles in parallel) and the main
 #                                      # job, then our per-kernel times (bench_kernels.py)
+#   bash benchmarks/run_gpu.sh flags   # ours against fla with fla's layer flags on
+#                                      # (RESULTS_layer.md) and packed (RESULTS_varlen.md)
 #   bash benchmarks/run_gpu.sh bench   # ours against fla (RESULTS.md), decode
 #                                      # (RESULTS_decode.md); SWEEP=1 adds the sequence
 #                                      # sweep, its plot and a CUDA profile
@@ -72,7 +74,10 @@ all_tests() {
     timeout "$L" python3 -m kda_op.train_demo > "$TLOGS/t9.txt" 2>&1 &
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/ --ignore=tests/test_cuda.py --ignore=tests/test_model.py \
         --ignore=tests/test_triton_kernels.py --ignore=tests/test_fused_recurrent.py --ignore=tests/test_profiling.py \
-        > "$TLOGS/t4.txt" 2>&1 &
+        --ignore=tests/test_fla_options.py --ignore=tests/test_layer.py > "$TLOGS/t4.txt" 2>&1 &
+    # fla's call surface (options, varlen; the layer against fla's own) in a process of its own
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fla_options.py tests/test_layer.py \
+        > "$TLOGS/tb.txt" 2>&1 &
     # the CUDA trace test in a process of its own (the group above ran past 300 s)
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_profiling.py > "$TLOGS/ta.txt" 2>&1 &
     # the two AOTI package tests took ~3.5 min each beside other compiles
@@ -106,6 +111,17 @@ bench)
             --heads 16 --value-heads 16 --head-dim 128 --out-dir /tmp/traces >> "$LOG" 2>&1
         cp /tmp/traces/*/*.pt.trace.json "$OUT/" 2>/dev/null
     fi
+    ;;
+flags)
+    # One call: ours and fla with fla's layer flags on (bench_chunk_kda.py --mode
+    # layer: the standard shapes; RESULTS_layer.md), then packed sequences (--mode
+    # varlen; RESULTS_varlen.md).
+    step "ours and fla, layer flags"
+    timeout "${BENCH_LIMIT:-300}" python3 benchmarks/bench_chunk_kda.py --mode layer --out "$OUT/RESULTS_layer.md" \
+        >> "$LOG" 2>&1
+    step "ours and fla, varlen"
+    timeout "${VARLEN_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --mode varlen \
+        --out "$OUT/RESULTS_varlen.md" >> "$LOG" 2>&1
     ;;
 candidates)
     # One call: the CUDA tests that a kernel change most needs (fp32, fp16, opcheck,
@@ -193,7 +209,7 @@ explore)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|bench|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"

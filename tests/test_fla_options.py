@@ -579,3 +579,78 @@ def test_export_varlen_dynamic():
     for a, b in zip(ep.module()(*args2), Packed()(*args2)):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b)
+
+
+# -- on the GPU: against fla itself, and CUDA graphs ---------------------------
+
+def _layer_style_inputs(lengths, H, G, K, V, seed):
+    """bf16 raw inputs as fla's layer hands them to chunk_kda, on the GPU."""
+    x, cu = _packed(lengths, seed=seed, dtype=torch.bfloat16, H=H, G=G, K=K, V=V)
+    x["A_log"] = torch.empty(H * G).uniform_(1, 16).log()
+    x["dt_bias"] = x["dt_bias"].float()
+    return {n: t.cuda() for n, t in x.items()}, cu.cuda()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("varlen", [False, True])
+def test_cuda_matches_fla_with_layer_flags(varlen):
+    """Ours and fla's chunk_kda on the same bf16 inputs with fla's layer flags
+    (l2norm, gate with lower_bound and safe_gate, beta sigmoid, V-first states):
+    o, final state and every grad within bf16 rounding (relative 2e-2)."""
+    fla_kda = pytest.importorskip("fla.ops.kda")
+    lengths = [1, 63, 65, 300, 7] if varlen else [436]
+    x, cu = _layer_style_inputs(lengths, H=2, G=2, K=64, V=64, seed=50)
+    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"]
+    h0 = x["initial_state"][:len(lengths)].transpose(-1, -2).contiguous().float()  # V-first
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              safe_gate=True, lower_bound=-5.0, state_v_first=True, output_final_state=True)
+    if varlen:
+        kw.update(cu_seqlens=cu)
+    results = []
+    for fn in (chunk_kda, fla_kda.chunk_kda):
+        leaves = {n: (h0 if n == "initial_state" else x[n]).detach().clone().requires_grad_() for n in names}
+        o, ht = fn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), initial_state=leaves["initial_state"],
+                   A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], **kw)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
+        dht = torch.randn(ht.shape, device="cuda", generator=gen)
+        grads = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), [leaves[n] for n in names])
+        results.append([o, ht, *grads])
+    for name, a, b in zip(["o", "final_state"] + ["d" + n for n in names], *results):
+        a, b = a.float(), b.float()
+        rel = ((a - b).norm() / b.norm()).item()
+        assert rel < 2e-2, (name, rel)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_captures_the_varlen_forward():
+    """A CUDA graph of chunk_kda with cu_seqlens (device tensor, no cu_seqlens_cpu:
+    nothing syncs): replayed with other lengths (same N) and other data, it
+    equals eager."""
+    x, cu = _layer_style_inputs([5, 70, 1, 180], H=1, G=2, K=64, V=64, seed=51)
+    static = {n: x[n].clone() for n in ("q", "k", "v", "g", "beta", "A_log", "dt_bias")}
+    static_cu = cu.clone()
+    kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+              output_final_state=True)
+
+    def step():
+        return chunk_kda(*(static[n] for n in ("q", "k", "v", "g", "beta")), A_log=static["A_log"],
+                         dt_bias=static["dt_bias"], cu_seqlens=static_cu, **kw)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    x2, cu2 = _layer_style_inputs([100, 0, 64, 92], H=1, G=2, K=64, V=64, seed=52)
+    for n in static:
+        static[n].copy_(x2[n])
+    static_cu.copy_(cu2)
+    graph.replay()
+    want = chunk_kda(*(x2[n] for n in ("q", "k", "v", "g", "beta")), A_log=x2["A_log"], dt_bias=x2["dt_bias"],
+                     cu_seqlens=cu2, **kw)
+    for a, b in zip(out, want):
+        torch.testing.assert_close(a, b)
