@@ -48,7 +48,8 @@ def make_step(target: str, mode: str, device: str, batch: int, seq_len: int, hea
             return o
     else:
         hidden = heads * head_dim
-        layer = KimiDeltaAttention(hidden, heads, head_dim, num_v_heads=value_heads).to(device=device, dtype=dtype)
+        layer = KimiDeltaAttention(hidden_size=hidden, head_dim=head_dim, num_heads=heads, num_v_heads=value_heads)
+        layer = layer.to(device=device, dtype=dtype)
         x = torch.randn(batch, seq_len, hidden, device=device, generator=gen).to(dtype).requires_grad_()
 
         def forward():

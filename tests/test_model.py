@@ -30,7 +30,7 @@ def _model(seed: int = 0) -> KDALanguageModel:
 
 
 def test_layer_shapes_state_and_gva_check():
-    layer = KimiDeltaAttention(hidden_size=24, num_heads=2, head_dim=8, num_v_heads=4, v_head_dim=6)
+    layer = KimiDeltaAttention(hidden_size=24, num_heads=2, head_dim=8, num_v_heads=4, expand_v=0.75)
     y, (rec, cq, ck, cv) = layer(torch.randn(3, 11, 24))
     assert y.shape == (3, 11, 24)
     assert rec.shape == (3, 4, 8, 6) and rec.dtype == torch.float32

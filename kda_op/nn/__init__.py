@@ -1,6 +1,6 @@
 """Modules built on the KDA ops: the attention layer and a small language model."""
 
-from .layer import KDAState, KimiDeltaAttention, ShortConvolution
+from .layer import KDAState, KimiDeltaAttention, RMSNormGated, ShortConvolution
 from .lm import KDABlock, KDALanguageModel
 
-__all__ = ["KimiDeltaAttention", "ShortConvolution", "KDAState", "KDABlock", "KDALanguageModel"]
+__all__ = ["KimiDeltaAttention", "ShortConvolution", "RMSNormGated", "KDAState", "KDABlock", "KDALanguageModel"]

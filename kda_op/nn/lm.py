@@ -16,7 +16,8 @@ class KDABlock(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, head_dim: int, num_v_heads: Optional[int], mlp_ratio: int):
         super().__init__()
         self.attn_norm = nn.RMSNorm(hidden_size)
-        self.attn = KimiDeltaAttention(hidden_size, num_heads, head_dim, num_v_heads=num_v_heads)
+        self.attn = KimiDeltaAttention(hidden_size=hidden_size, head_dim=head_dim, num_heads=num_heads,
+                                       num_v_heads=num_v_heads)
         self.mlp_norm = nn.RMSNorm(hidden_size)
         inner = mlp_ratio * hidden_size
         self.up = nn.Linear(hidden_size, 2 * inner, bias=False)
