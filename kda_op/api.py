@@ -12,6 +12,7 @@ from . import ops as _ops  # noqa: F401  (defines the ops and their autograd)
 from . import meta as _meta  # noqa: F401  (registers the fake kernels; needs the ops)
 from ._checks import check_bool, check_kda_inputs, check_options
 from ._contract import chunked_kernels_serve
+from .reference import beta_sigmoid_reference, l2norm_reference
 
 
 # fla 0.6 keywords that belong to work not done yet: refused, never ignored.
@@ -55,10 +56,19 @@ def _fla_kwargs(fn: str, kwargs: dict, state_v_first: bool, accepted: tuple) -> 
 
 def _prepare(q, k, beta, use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kernel: bool, allow_neg_eigval: bool):
     """fla's q/k l2 norm and beta sigmoid, through ``kda_op::kda_prep_fwd`` (one
-    launch on CUDA) where either is asked."""
+    launch on CUDA) where either is asked; plain torch ops under torch.export."""
     if not (use_qk_l2norm_in_kernel or use_beta_sigmoid_in_kernel):
         return q, k, beta
     beta_scale = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else 0.0
+    if torch.compiler.is_exporting():
+        # torch.export: the same math as plain torch ops, which AOTInductor compiles
+        # into its packages; kda_op::kda_prep_fwd, a Python custom op, it cannot
+        # carry (a package must load without kda_op, as the export forward op does).
+        if use_qk_l2norm_in_kernel:
+            q, k = l2norm_reference(q)[0], l2norm_reference(k)[0]
+        if use_beta_sigmoid_in_kernel:
+            beta = beta_sigmoid_reference(beta, beta_scale)
+        return q, k, beta
     q_out, k_out, beta_out, _, _ = torch.ops.kda_op.kda_prep_fwd(q, k, beta, use_qk_l2norm_in_kernel, beta_scale)
     if use_qk_l2norm_in_kernel:
         q, k = q_out, k_out

@@ -185,20 +185,20 @@ def l2norm_reference(x: Tensor, eps: float = L2NORM_EPS) -> tuple[Tensor, Tensor
     acc = state_dtype(x.dtype)
     xf = x.to(acc)
     rstd = torch.rsqrt((xf * xf).sum(-1) + eps)
-    return (xf * rstd[..., None]).to(x.dtype), rstd
+    return (xf * rstd[..., None]).to(x.dtype).contiguous(), rstd.contiguous()
 
 
 def l2norm_backward_reference(y: Tensor, rstd: Tensor, dy: Tensor) -> Tensor:
     """d x from the output ``y``, its ``rstd`` and d y: ``rstd (dy - y <dy, y>)``."""
     acc = rstd.dtype
     yf, dyf = y.to(acc), dy.to(acc)
-    return (rstd[..., None] * (dyf - yf * (dyf * yf).sum(-1, keepdim=True))).to(y.dtype)
+    return (rstd[..., None] * (dyf - yf * (dyf * yf).sum(-1, keepdim=True))).to(y.dtype).contiguous()
 
 
 def beta_sigmoid_reference(beta: Tensor, scale: float) -> Tensor:
     """``scale * sigmoid(beta)`` (scale 2 for fla's allow_neg_eigval), in beta's dtype."""
     acc = state_dtype(beta.dtype)
-    return (scale * torch.sigmoid(beta.to(acc))).to(beta.dtype)
+    return (scale * torch.sigmoid(beta.to(acc))).to(beta.dtype).contiguous()
 
 
 def beta_sigmoid_backward_reference(beta: Tensor, dbeta_out: Tensor, scale: float) -> Tensor:
@@ -206,7 +206,7 @@ def beta_sigmoid_backward_reference(beta: Tensor, dbeta_out: Tensor, scale: floa
     ``d(out) * scale * s * (1 - s)``."""
     acc = state_dtype(beta.dtype)
     s = torch.sigmoid(beta.to(acc))
-    return (dbeta_out.to(acc) * scale * s * (1 - s)).to(beta.dtype)
+    return (dbeta_out.to(acc) * scale * s * (1 - s)).to(beta.dtype).contiguous()
 
 
 def kda_gate_reference(g: Tensor, A_log: Optional[Tensor], dt_bias: Optional[Tensor],
@@ -253,7 +253,7 @@ def kda_gate_backward_reference(g: Tensor, A_log: Optional[Tensor], dt_bias: Opt
     sum_dims = tuple(range(g.dim() - 2))
     dA_log = None if A_log is None else dlog_a.sum(sum_dims + (g.dim() - 1,)).to(A_log.dtype)
     ddt_bias = None if dt_bias is None else dx.sum(sum_dims).reshape(HV * K).to(dt_bias.dtype)
-    return dx.to(g.dtype), dA_log, ddt_bias
+    return dx.to(g.dtype).contiguous(), dA_log, ddt_bias
 
 
 # ---------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def kda_backward_reference_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     ``kda_forward_reference_varlen``): ``(dq, dk, dv, dg, dbeta, dh0 [N, ...])``."""
     bounds = _bounds(cu_seqlens)
     N = len(bounds) - 1
-    grads = [torch.empty_like(x) for x in (q, k, v, g, beta)]
+    grads = [x.new_empty(x.shape) for x in (q, k, v, g, beta)]  # contiguous, as the fake kernels say
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     acc = state_dtype(q.dtype)
     dh0 = q.new_empty((N, HV, K, V), dtype=acc if initial_state is None else initial_state.dtype)

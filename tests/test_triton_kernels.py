@@ -264,7 +264,8 @@ def test_triton_gam_kernel_changes_no_result(dtype, monkeypatch):
     for i, (per_slice, separate) in enumerate(zip(*results)):
         if DEVICE == "cpu":
             assert torch.equal(_bytes(per_slice), _bytes(separate)), i
-        elif per_slice.dtype != torch.uint8:  # the GPU's scans may associate differently
+        elif per_slice.dtype != torch.uint8 and per_slice.numel() > 0:  # the GPU's scans may associate differently
+            # (empty: the gate parameters' grads, absent here)
             err = ((per_slice.float() - separate.float()).norm() / per_slice.float().norm()).item()
             # fp32: rounding of the sums only. bf16: a last-bit change of gam can
             # flip the bf16 rounding of Qg, Kr and W (2^-8 relative) that every

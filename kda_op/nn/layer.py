@@ -28,13 +28,6 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _l2norm(x: Tensor) -> Tensor:
-    """Rows scaled to unit l2 norm as the kernels' in-kernel l2 norm does:
-    ``x / sqrt(sum(x^2) + 1e-6)``, accumulated in fp32 (fp64 for fp64)."""
-    xf = x.to(_compute_dtype(x.dtype))
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
-
-
 class ShortConvolution(nn.Module):
     """Causal depthwise convolution over time, then SiLU (or no activation).
 
@@ -260,10 +253,6 @@ class KimiDeltaAttention(nn.Module):
       kernel is chosen by ``decode`` and ``mode`` only, never by the length, so
       that export with a dynamic length has no branch on it (``chunk_kda`` runs
       its token-by-token kernel for short sequences on CUDA anyway).
-    * Under ``torch.export`` the l2 norm of q, k and the beta sigmoid are plain
-      torch ops in the layer (the same math) instead of the kernels' in-kernel
-      flags: the op those flags run (``kda_op::kda_prep_fwd``) cannot be
-      compiled into an AOTInductor package; the gate stays in the kernel.
     * ``forward`` takes and returns the layer's state, ``(y, state)``, where fla's
       takes a ``past_key_values`` Cache and returns ``(o, None, past_key_values)``.
     """
@@ -475,18 +464,10 @@ class KimiDeltaAttention(nn.Module):
         g = self.f_proj(x).view(B, T, HV, K)
         beta = self.b_proj(x)
 
-        in_kernel = not torch.compiler.is_exporting()
-        if not in_kernel:
-            # torch.export: kda_op::kda_prep_fwd (the in-kernel l2 norm and sigmoid)
-            # is a Python custom op that an AOTInductor package cannot carry, unlike
-            # the export forward op (which takes the gate); so the same math here.
-            q, k = _l2norm(q), _l2norm(k)
-            beta_scale = 2.0 if self.allow_neg_eigval else 1.0
-            beta = (beta_scale * torch.sigmoid(beta.to(_compute_dtype(beta.dtype)))).to(beta.dtype)
         options = dict(
-            initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=in_kernel,
-            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=in_kernel,
-            allow_neg_eigval=self.allow_neg_eigval and in_kernel, lower_bound=self.lower_bound,
+            initial_state=recurrent, output_final_state=True, use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+            allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound,
         )
         if decode or (self.mode == "fused_recurrent" and not torch.is_grad_enabled()):
             o, recurrent = fused_recurrent_kda(q, k, v, g, beta, A_log=self.A_log, dt_bias=self.dt_bias,
