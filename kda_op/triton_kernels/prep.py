@@ -37,6 +37,23 @@ def _l2norm_rows_bwd(y, rstd, dy, dx, p, m, o_r, m_r):
 
 
 @triton.jit
+def _rows(i_r, R, K: tl.constexpr, BK: tl.constexpr, BR: tl.constexpr):
+    """Program i_r's rows of q and k: their indices, mask, offsets and mask of the tile."""
+    o_r = i_r * BR + tl.arange(0, BR)
+    m_r = o_r < R
+    o_k = tl.arange(0, BK)
+    return o_r, m_r, o_r[:, None] * K + o_k[None, :], m_r[:, None] & (o_k < K)[None, :]
+
+
+@triton.jit
+def _beta_block(i_r, R, G: tl.constexpr, BR: tl.constexpr, BB: tl.constexpr):
+    """The beta entries of program i_r's rows: offsets and mask (BB: BR * G rounded
+    up to a power of two, G need not be one)."""
+    o_b = i_r * BR * G + tl.arange(0, BB)
+    return o_b, (o_b < (i_r + 1) * BR * G) & (o_b < R * G)
+
+
+@triton.jit
 def kda_prep_fwd_kernel(
     q, k, beta, q_out, k_out, beta_out, q_rstd, k_rstd,
     R, eps, beta_scale,
@@ -44,18 +61,12 @@ def kda_prep_fwd_kernel(
     L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64)
-    o_r = i_r * BR + tl.arange(0, BR)
-    m_r = o_r < R
     if L2NORM:
-        o_k = tl.arange(0, BK)
-        m = m_r[:, None] & (o_k < K)[None, :]
-        p = o_r[:, None] * K + o_k[None, :]
+        o_r, m_r, p, m = _rows(i_r, R, K, BK, BR)
         _l2norm_rows(q, q_out, q_rstd, p, m, o_r, m_r, eps)
         _l2norm_rows(k, k_out, k_rstd, p, m, o_r, m_r, eps)
     if SIGMOID:
-        # BB: BR * G rounded up to a power of two (G need not be one)
-        o_b = i_r * BR * G + tl.arange(0, BB)
-        m_b = (o_b < (i_r + 1) * BR * G) & (o_b < R * G)
+        o_b, m_b = _beta_block(i_r, R, G, BR, BB)
         b_beta = tl.load(beta + o_b, mask=m_b, other=0.0).to(tl.float32)
         tl.store(beta_out + o_b, (beta_scale * tl.sigmoid(b_beta)).to(beta_out.dtype.element_ty), mask=m_b)
 
@@ -68,18 +79,12 @@ def kda_prep_bwd_kernel(
     L2NORM: tl.constexpr, SIGMOID: tl.constexpr,
 ):
     i_r = tl.program_id(0).to(tl.int64)
-    o_r = i_r * BR + tl.arange(0, BR)
-    m_r = o_r < R
     if L2NORM:
-        o_k = tl.arange(0, BK)
-        m = m_r[:, None] & (o_k < K)[None, :]
-        p = o_r[:, None] * K + o_k[None, :]
+        o_r, m_r, p, m = _rows(i_r, R, K, BK, BR)
         _l2norm_rows_bwd(q_out, q_rstd, dq_out, dq, p, m, o_r, m_r)
         _l2norm_rows_bwd(k_out, k_rstd, dk_out, dk, p, m, o_r, m_r)
     if SIGMOID:
-        # BB: BR * G rounded up to a power of two (G need not be one)
-        o_b = i_r * BR * G + tl.arange(0, BB)
-        m_b = (o_b < (i_r + 1) * BR * G) & (o_b < R * G)
+        o_b, m_b = _beta_block(i_r, R, G, BR, BB)
         b_s = tl.sigmoid(tl.load(beta + o_b, mask=m_b, other=0.0).to(tl.float32))
         b_dout = tl.load(dbeta_out + o_b, mask=m_b, other=0.0).to(tl.float32)
         tl.store(dbeta + o_b, (b_dout * beta_scale * b_s * (1.0 - b_s)).to(dbeta.dtype.element_ty), mask=m_b)
