@@ -27,8 +27,12 @@ _NOT_YET = {
 }
 
 
-def _not_yet(fn: str, name: str) -> NotImplementedError:
-    return NotImplementedError(f"{fn}(): {name!r} ({_NOT_YET[name]}) is not implemented in kda-op yet")
+def _refuse_not_yet(fn: str, values: dict) -> None:
+    """NotImplementedError for a keyword of later work set to anything but its
+    default (None or False: fla's callers pass those)."""
+    for name, value in values.items():
+        if value is not None and value is not False:
+            raise NotImplementedError(f"{fn}(): {name!r} ({_NOT_YET[name]}) is not implemented in kda-op yet")
 
 
 def _fla_kwargs(fn: str, kwargs: dict, state_v_first: bool, accepted: tuple) -> tuple[dict, bool]:
@@ -45,12 +49,10 @@ def _fla_kwargs(fn: str, kwargs: dict, state_v_first: bool, accepted: tuple) -> 
         state_v_first = kwargs.pop("transpose_state_layout")
         check_bool("transpose_state_layout", state_v_first)
     read = {name: kwargs.pop(name) for name in accepted if name in kwargs}
-    for name, value in kwargs.items():
-        if name in _NOT_YET:
-            if value is not None and value is not False:
-                raise _not_yet(fn, name)
-        else:
-            raise TypeError(f"{fn}() got an unexpected keyword argument {name!r}")
+    unknown = [name for name in kwargs if name not in _NOT_YET]
+    if unknown:
+        raise TypeError(f"{fn}() got an unexpected keyword argument {unknown[0]!r}")
+    _refuse_not_yet(fn, kwargs)
     return read, state_v_first
 
 
@@ -196,10 +198,8 @@ def chunk_kda(
             tensors on different devices, or options that fla refuses.
         NotImplementedError: an fla keyword of work not done yet.
     """
-    for name, value in (("return_intermediate_states", return_intermediate_states), ("cp_context", cp_context),
-                        ("use_graph", use_graph), ("max_num_seqs", max_num_seqs)):
-        if value is not None and value is not False:
-            raise _not_yet("chunk_kda", name)
+    _refuse_not_yet("chunk_kda", dict(return_intermediate_states=return_intermediate_states, cp_context=cp_context,
+                                      use_graph=use_graph, max_num_seqs=max_num_seqs))
     extra, state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first, ("A_log", "dt_bias", "chunk_size"))
     A_log, dt_bias = extra.get("A_log"), extra.get("dt_bias")
     check_options(

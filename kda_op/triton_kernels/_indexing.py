@@ -21,17 +21,6 @@ import triton.language as tl
 
 
 @triton.jit
-def sequence_and_heads(i_bh, T, H, HV):
-    """From a program's (batch * value head) index (64-bit): the batch index, the
-    value head, the query/key head it reads (GVA: i_hv // G) and the row where
-    its sequence starts."""
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
-    return i_b, i_hv, i_h, i_b * T
-
-
-@triton.jit
 def chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN: tl.constexpr):
     """For a chunk-parallel program (chunk slot ``i_c``, (batch *) value head
     ``i_bh``, 64-bit): ``(n, i_hv, i_h, bos, T_n, c, g_c, s_c)``: the sequence, the
