@@ -75,10 +75,11 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET, num_warps=S.INTRA_A_FWD_WARPS,
         **regs,
     )
-    _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV)](
+    row_programs = bool(S.STEEP_FWD_ROW_PROGRAMS)
+    _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV, BT // BC if row_programs else 1)](
         q, k, gam, akk, aqk, steep, *s["VL_CHUNK"], scale, T, NC,
         **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
-        BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, num_warps=4,
+        BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs, num_warps=4,
     )
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
         k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,

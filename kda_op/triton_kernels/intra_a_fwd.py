@@ -137,13 +137,14 @@ def kda_intra_a_fwd_steep_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, ROW_PROGRAMS: tl.constexpr = False,
 ):
     """The A's of the chunks kda_intra_a_fwd_kernel marked steep; the others return
     at once. Row block by row block (BC rows), over K slices (BKS wide): the
     columns before the block through one dot with the block's first row as
     reference; the diagonal block split at its middle row where the slice allows,
-    else exactly, pair by pair."""
+    else exactly, pair by pair. ROW_PROGRAMS: one program per row block (grid
+    axis 2, BT // BC of them) instead of one looping over the chunk's blocks."""
     scale = tl.cast(scale, tl.float32)  # fp64 where inductor launches it (see above)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -160,7 +161,13 @@ def kda_intra_a_fwd_steep_kernel(
         o_t = t0 + o_r
         m_t = o_t < T
         o_c = tl.arange(0, BC)
-        for i_i in tl.static_range(BT // BC):
+        if ROW_PROGRAMS:
+            i_first = tl.program_id(2)
+            n_blocks: tl.constexpr = 1
+        else:
+            i_first = 0
+            n_blocks: tl.constexpr = BT // BC
+        for i_i in range(i_first, i_first + n_blocks):
             o_i = t0 + i_i * BC + o_c
             m_i = o_i < T
             before = o_r < i_i * BC  # the columns left of the diagonal block

@@ -9,8 +9,11 @@ reverse cumulative sum over the chunk (the chunk's d(Gam) goes to every row).
 
 The chunks the forward split at their middle row (steep = 0, intra_a_fwd.py) go
 the same way back: four [BT, BT] x [BT, BKD] dots (STEEP = False). The steep ones
-use the forward's sub-blocks and reference rows, in a separate launch of the
-kernel compiled with STEEP = True, so that the common variant stays small.
+go back by sub-blocks of BC rows, in a separate launch of the kernel compiled
+with STEEP = True, so that the common variant stays small: per block, the
+columns before it in one dot (reference: its first row) and the rows after it in
+one more (reference: the first row after it), so every factor is <= 1 for a
+decaying gate; the diagonal block as the forward's steep kernel forms it.
 
 With fla's in-kernel gate (GATE > 0, _gate.py) dg goes on through the gate: the
 kernel writes d(raw g) and, per (chunk, head, column), the partial sums over the
@@ -113,6 +116,16 @@ def kda_intra_bwd_a_kernel(
         o_c = tl.arange(0, BC)
         causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
         if tl.load(steep + g_c * HV + i_hv) != 0:
+            # The chunk's whole slice, read once: each row block takes the columns
+            # before it in one [BC, BT] x [BT, BKD] dot, and each column block the
+            # rows after it in one more, instead of a small dot per pair of blocks.
+            o_r = tl.arange(0, BT)
+            o_t = t0 + o_r
+            m_t = o_t < T
+            m_ts = m_t[:, None] & m_s[None, :]
+            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+            b_g = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
             b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
             b_ddt = tl.zeros([BKD], dtype=tl.float32)  # the gate's partial sums (GATE)
             b_dla_sum = tl.zeros([BKD], dtype=tl.float32)
@@ -124,46 +137,41 @@ def kda_intra_bwd_a_kernel(
                 b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
                 b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
                 b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
                 b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
                 b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
                 b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
                 da_row = (o_i[:, None]) * (HV * BT)
 
-                # block i_i as the row block of (i_i, j), j < i_i; reference: first row of i_i
-                b_ai = tl.exp(b_gi - b_gr[None, :])
-                for i_j in tl.static_range(i_i):
-                    o_j = t0 + i_j * BC + o_c
-                    b_kj = tl.load(k + (o_j[:, None]) * (H * K) + o_s[None, :],
-                                   mask=(o_j < T)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
-                    b_gj = tl.load(gam + (o_j[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                    b_kjb = b_kj * tl.exp(b_gr[None, :] - b_gj)
-                    col = i_j * BC + o_c[None, :]
-                    b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
-                    b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
-                    b_tq = b_ai * tl.dot(b_dqk, b_kjb, input_precision=DOT_PREC)
-                    b_tk = b_ai * tl.dot(b_dkk, b_kjb, input_precision=DOT_PREC)
+                if i_i > 0:
+                    # block i_i's rows, the columns j before it; reference r = its first
+                    # row: exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a
+                    # decaying gate
+                    b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    before = o_r < i_i * BC
+                    b_kb = b_k * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_g, float("-inf")))
+                    m_before = m_i[:, None] & before[None, :]
+                    b_dqk = tl.load(daqk + da_row + o_r[None, :], mask=m_before, other=0.0)
+                    b_dkk = tl.load(dakk + da_row + o_r[None, :], mask=m_before, other=0.0)
+                    b_ai = tl.exp(b_gi - b_gr[None, :])
+                    b_tq = b_ai * tl.dot(b_dqk, b_kb, input_precision=DOT_PREC)
+                    b_tk = b_ai * tl.dot(b_dkk, b_kb, input_precision=DOT_PREC)
                     b_dqi += b_tq
                     b_dki += b_tk
                     b_dgi += b_qi * b_tq + b_ki * b_tk
 
-                # block i_i as the column block of (l, i_i), l > i_i; reference: first row of l
-                for i_l in tl.static_range(i_i + 1, BT // BC):
-                    o_l = t0 + i_l * BC + o_c
-                    m_l = o_l < T
-                    m_ls = m_l[:, None] & m_s[None, :]
-                    b_ql = tl.load(q + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32) * scale
-                    b_kl = tl.load(k + (o_l[:, None]) * (H * K) + o_s[None, :], mask=m_ls, other=0.0).to(tl.float32)
-                    b_gl = tl.load(gam + (o_l[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                    b_grl = tl.load(gam + (t0 + i_l * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
-                    b_al = tl.exp(b_gl - b_grl[None, :])
-                    b_bi = tl.exp(b_grl[None, :] - b_gi)
-                    da_l = (o_l[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
-                    b_dqk = tl.load(daqk + da_l, mask=m_l[:, None], other=0.0)
-                    b_dkk = tl.load(dakk + da_l, mask=m_l[:, None], other=0.0)
-                    b_tk = tl.dot(tl.trans(b_dqk), b_ql * b_al, input_precision=DOT_PREC)
-                    b_tk += tl.dot(tl.trans(b_dkk), b_kl * b_al, input_precision=DOT_PREC)
-                    b_tk = b_bi * b_tk
+                if i_i < BT // BC - 1:
+                    # block i_i as the columns of the rows l after it; reference c = the
+                    # first row after the block: exp(gam_l - gam_c), exp(gam_c - gam_j) <= 1
+                    b_gc = tl.load(gam + (t0 + (i_i + 1) * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    after = o_r >= (i_i + 1) * BC
+                    b_ea = tl.exp(tl.where(after[:, None], b_g - b_gc[None, :], float("-inf")))
+                    p_col = (o_t[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
+                    m_after = (m_t & after)[:, None]
+                    b_dqk = tl.load(daqk + p_col, mask=m_after, other=0.0)
+                    b_dkk = tl.load(dakk + p_col, mask=m_after, other=0.0)
+                    b_tk = tl.dot(tl.trans(b_dqk), b_q * b_ea, input_precision=DOT_PREC)
+                    b_tk += tl.dot(tl.trans(b_dkk), b_k * b_ea, input_precision=DOT_PREC)
+                    b_tk = tl.exp(b_gc[None, :] - b_gi) * b_tk
                     b_dki += b_tk
                     b_dgi -= b_ki * b_tk
 

@@ -89,6 +89,12 @@ BKS = 32
 # common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
 BKD_A = 32
 BKD = 16
+# The forward's steep A's (intra_a_fwd.py's steep kernel): one program per row
+# block of BC rows (1; four per chunk, more programs in flight) or one per chunk
+# looping over its blocks (0). Steep chunks are the common case with fla's layer
+# gate (lower_bound = -5: gates near -2.5 per token on average), where the looping
+# form took 0.415 of a 1.0 ms forward at B1-T8192-H16 (H200, 2026-12-01).
+STEEP_FWD_ROW_PROGRAMS = 1
 # The scans: one program per (V block of BV_SCAN, batch * value head), sequential
 # over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
 # next chunk (two stages) where BK <= 128, which fits the H200's 227 KB of shared
