@@ -3,6 +3,8 @@
 #   bash benchmarks/run_gpu.sh tests   # every test (processes side by side, so
 #                                      # Triton compiles in parallel) and the main
 #                                      # job, then our per-kernel times (bench_kernels.py)
+#   bash benchmarks/run_gpu.sh flags-verify   # every test, then the flags rows below and ours on
+#                                      # the standard shapes (after a kernel change)
 #   bash benchmarks/run_gpu.sh flags   # ours against fla with fla's layer flags on
 #                                      # (RESULTS_layer.md) and packed (RESULTS_varlen.md)
 #   bash benchmarks/run_gpu.sh bench   # ours against fla (RESULTS.md), decode
@@ -74,10 +76,13 @@ all_tests() {
     timeout "$L" python3 -m kda_op.train_demo > "$TLOGS/t9.txt" 2>&1 &
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/ --ignore=tests/test_cuda.py --ignore=tests/test_model.py \
         --ignore=tests/test_triton_kernels.py --ignore=tests/test_fused_recurrent.py --ignore=tests/test_profiling.py \
-        --ignore=tests/test_fla_options.py --ignore=tests/test_layer.py > "$TLOGS/t4.txt" 2>&1 &
+        --ignore=tests/test_fla_options.py --ignore=tests/test_layer.py --ignore=tests/test_long_context.py \
+        > "$TLOGS/t4.txt" 2>&1 &
     # fla's call surface (options, varlen; the layer against fla's own) in a process of its own
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fla_options.py tests/test_layer.py \
         > "$TLOGS/tb.txt" 2>&1 &
+    # 2^21 tokens in one call (about 100 GiB of device memory) in a process of its own
+    timeout "$L" python3 -m pytest -v -s -ra --tb=short tests/test_long_context.py > "$TLOGS/tc.txt" 2>&1 &
     # the CUDA trace test in a process of its own (the group above ran past 300 s)
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_profiling.py > "$TLOGS/ta.txt" 2>&1 &
     # the two AOTI package tests took ~3.5 min each beside other compiles
@@ -122,6 +127,21 @@ flags)
     step "ours and fla, varlen"
     timeout "${VARLEN_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --mode varlen \
         --out "$OUT/RESULTS_varlen.md" >> "$LOG" 2>&1
+    ;;
+flags-verify)
+    # One call after a kernel change: every test (TEST_LIMIT), then ours and fla
+    # with the layer flags on ($FLAGS_SHAPES, $VARIANTS of ours beside), packed
+    # sequences, and ours alone on the standard shapes (against the last RESULTS.md).
+    all_tests
+    read -r -a VARS <<< "${VARIANTS:-}"
+    step "ours and fla, layer flags"
+    timeout "${BENCH_LIMIT:-150}" python3 benchmarks/bench_chunk_kda.py --mode layer --shapes ${FLAGS_SHAPES:-B1-T8192-H16} \
+        --variants "${VARS[@]}" --out "$OUT/RESULTS_layer.md" >> "$LOG" 2>&1
+    step "ours and fla, varlen"
+    timeout "${VARLEN_LIMIT:-150}" python3 benchmarks/bench_chunk_kda.py --mode varlen --out "$OUT/RESULTS_varlen.md" \
+        >> "$LOG" 2>&1
+    step "ours alone, standard shapes"
+    timeout "${STANDARD_LIMIT:-60}" python3 benchmarks/bench_chunk_kda.py --impl ours --rounds 2 >> "$LOG" 2>&1
     ;;
 candidates)
     # One call: the CUDA tests that a kernel change most needs (fp32, fp16, opcheck,
@@ -209,7 +229,7 @@ explore)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|flags-verify|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"

@@ -114,14 +114,17 @@ def test_triton_explicit_scale_and_empty_sequence():
 
 
 def test_too_long_a_sequence_is_refused_not_wrapped():
+    """64-bit offsets: lengths far past the former 32-bit bound (T * HV * K < 2^31,
+    262144 tokens at HV = 64, K = 128) are served; only what the int32 arguments
+    or one chunk's 32-bit offsets cannot hold is refused."""
     from kda_op.triton_kernels._host import _check_offsets
 
-    _check_offsets(65536, 32, 128, 128)  # 2^28: served
-    _check_offsets(8191 * 64, 32, 128, 128)  # padded extent 2^31 - 2^18: the longest served
+    _check_offsets(2**21, 64, 128, 128)  # 2^34 elements per tensor
+    _check_offsets(2**31 - 1, 64, 128, 128)
     with pytest.raises(ValueError, match="2\\^31"):
-        _check_offsets(8191 * 64 + 1, 32, 128, 128)  # one more chunk: 2^31, which would wrap
+        _check_offsets(2**31, 64, 128, 128)  # no longer an int32 argument
     with pytest.raises(ValueError, match="2\\^31"):
-        _check_offsets(2**20, 32, 128, 128)  # 2^32
+        _check_offsets(64, 2**19, 64, 64)  # one chunk: 2^31 elements
 
 
 # intra_a_fwd's split factors overflow on the steep chunks (dropped there): the

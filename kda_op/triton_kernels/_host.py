@@ -36,17 +36,20 @@ def _steep_dot_precision(dtype: torch.dtype) -> str:
 
 
 def _check_offsets(T: int, HV: int, K: int, V: int) -> None:
-    """The kernels index inside one sequence with 32-bit offsets (up to
-    T_padded * HV * max(K, V, BT)); across sequences and chunk states with 64-bit
-    ones. Refuse, rather than wrap around, past that. Written as a bound on T
-    alone, so that under torch.export (the export op) it is a plain range of the
-    sequence length."""
-    max_t = (2**31 - 1) // (BT * HV * max(K, V, BT)) * BT
-    if not T <= max_t:
+    """The kernels move each pointer in 64-bit to its chunk (chunk-parallel
+    kernels) or, inside their loops, to each chunk or token (the scans and the
+    recurrent kernel), and offset within that in 32-bit: one chunk spans
+    BT * HV * max(K, V, BT) elements, which must stay below 2^31, and T must fit
+    the kernels' int32 length arguments. Refuse, rather than wrap around, past
+    either. Bounds on T alone, so that under torch.export (the export op) they
+    are a plain range of the sequence length."""
+    if not BT * HV * max(K, V, BT) < 2**31:
         raise ValueError(
-            f"one sequence is too long for the CUDA kernels: T = {T} > {max_t} at HV={HV}, K={K}, V={V} "
-            f"(T * HV * max(K, V, {BT}) must stay below 2^31); split the sequence, carrying the state"
+            f"HV * max(K, V, {BT}) = {HV} * {max(K, V, BT)} is too large for the CUDA kernels "
+            f"({BT} rows of it must stay below 2^31 elements)"
         )
+    if not T < 2**31:
+        raise ValueError(f"T = {T} rows: the CUDA kernels take lengths below 2^31; split the sequence, carrying the state")
 
 
 def _check_grid(B: int, HV: int, T: Optional[int]) -> None:

@@ -12,6 +12,11 @@ slot of NCB; ``chunk_index`` [NCB, 2] says which (sequence, chunk) a slot holds,
 (-1, 0) for a slot beyond the last chunk, whose program sees a sequence of
 length 0: every masked load and store is off and the rest writes only that
 slot's own entries.
+
+64-bit offsets: the base of every tensor moves once per program in 64-bit, to
+the chunk (chunk-parallel kernels) or, per chunk or token, inside the loop of a
+per-sequence kernel; what is added to it then spans one chunk or one row, so no
+32-bit offset grows with T (T up to 2^31 - 1 rows, Triton's int32 arguments).
 """
 
 from __future__ import annotations
@@ -21,12 +26,14 @@ import triton.language as tl
 
 
 @triton.jit
-def chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN: tl.constexpr):
+def chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """For a chunk-parallel program (chunk slot ``i_c``, (batch *) value head
-    ``i_bh``, 64-bit): ``(n, i_hv, i_h, bos, T_n, c, g_c, s_c)``: the sequence, the
-    value head, the key head, the sequence's first row, its length, the chunk
-    within it, the chunk's global index (per-chunk buffers) and the slot of the
-    state entering it (chunk states)."""
+    ``i_bh``, 64-bit): ``(n, i_hv, i_h, bos, T_c, g_c, s_c)``: the sequence, the
+    value head, the key head, the chunk's first row (64-bit, among all B * T or
+    packed rows), how many rows of the sequence lie from there on (int32; the
+    chunk's valid rows are those below both BT and T_c, none for an unused slot),
+    the chunk's global index (per-chunk buffers) and the slot of the state
+    entering it (chunk states). Offsets inside a chunk then stay small at any T."""
     if IS_VARLEN:
         i_hv = i_bh
         n = tl.load(chunk_index + i_c * 2).to(tl.int64)
@@ -46,7 +53,8 @@ def chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN: tl
         g_c = n * NC + i_c
         s_c = n * (NC + 1) + i_c
     i_h = i_hv // (HV // H)
-    return n, i_hv, i_h, bos, T_n, c, g_c, s_c
+    T_c = (T_n - c * BT).to(tl.int32)
+    return n, i_hv, i_h, bos + c * BT, T_c, g_c, s_c
 
 
 @triton.jit

@@ -32,12 +32,12 @@ def kda_gam_fwd_kernel(
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_k = tl.program_id(2)
-    i_b, i_hv, _, bos, T, i_c, g_c, _ = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    i_b, i_hv, _, bos, T, g_c, _ = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
     g += (bos * HV + i_hv) * K
-    gam += ((g_c - i_c) * BT * HV + i_hv) * K
-    o_t = i_c * BT + tl.arange(0, BT)
+    gam += (g_c * BT * HV + i_hv) * K
+    o_t = tl.arange(0, BT)
     o_k = i_k * BKG + tl.arange(0, BKG)
     m_k = o_k < K
     p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]

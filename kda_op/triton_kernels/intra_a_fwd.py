@@ -65,10 +65,10 @@ def kda_intra_a_fwd_kernel(
     scale = tl.cast(scale, tl.float32)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
-    bos_pad = (g_c - i_c) * BT  # where the sequence starts in the padded gam buffer
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    bos_pad = g_c * BT  # the chunk's first row in the padded gam buffer
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     g += (bos * HV + i_hv) * K
@@ -77,10 +77,9 @@ def kda_intra_a_fwd_kernel(
     aqk += (bos * HV + i_hv) * BT
     qg += (bos * HV + i_hv) * K
     kr += (bos * HV + i_hv) * K
-    t0 = i_c * BT
 
     o_r = tl.arange(0, BT)
-    o_t = t0 + o_r
+    o_t = o_r
     m_t = o_t < T
     is_last = (o_r == BT - 1)[:, None]
     is_mid = (o_r == BT // 2)[:, None]
@@ -99,8 +98,8 @@ def kda_intra_a_fwd_kernel(
         p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
         if GAM_IN:
             b_gam = tl.load(gam + p_tk, mask=m_k[None, :], other=0.0)
-            b_glast = tl.load(gam + (t0 + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-            b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_glast = tl.load(gam + (BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_gmid = tl.load(gam + (BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
         else:
             b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
             tl.store(gam + p_tk, b_gam, mask=m_k[None, :])
@@ -148,17 +147,16 @@ def kda_intra_a_fwd_steep_kernel(
     scale = tl.cast(scale, tl.float32)  # fp64 where inductor launches it (see above)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
     if tl.load(steep + g_c * HV + i_hv) != 0:
-        bos_pad = (g_c - i_c) * BT
+        bos_pad = g_c * BT
         q += (bos * H + i_h) * K
         k += (bos * H + i_h) * K
         gam += (bos_pad * HV + i_hv) * K
         akk += (bos * HV + i_hv) * BT
         aqk += (bos * HV + i_hv) * BT
-        t0 = i_c * BT
         o_r = tl.arange(0, BT)
-        o_t = t0 + o_r
+        o_t = o_r
         m_t = o_t < T
         o_c = tl.arange(0, BC)
         if ROW_PROGRAMS:
@@ -168,7 +166,7 @@ def kda_intra_a_fwd_steep_kernel(
             i_first = 0
             n_blocks: tl.constexpr = BT // BC
         for i_i in range(i_first, i_first + n_blocks):
-            o_i = t0 + i_i * BC + o_c
+            o_i = i_i * BC + o_c
             m_i = o_i < T
             before = o_r < i_i * BC  # the columns left of the diagonal block
             b_akk = tl.zeros([BC, BT], dtype=tl.float32)
@@ -184,7 +182,7 @@ def kda_intra_a_fwd_steep_kernel(
                 b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
                 # columns j before the block, reference r = the block's first row: both
                 # exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a decaying gate
-                b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                b_gr = tl.load(gam + (i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
                 b_kc = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :],
                                mask=(m_t & before)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
                 b_gc = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
@@ -193,7 +191,7 @@ def kda_intra_a_fwd_steep_kernel(
                 b_akk += tl.dot(b_ki * b_ei, b_kcb, input_precision=DOT_PREC)
                 b_aqk += tl.dot(b_qi * b_ei, b_kcb, input_precision=DOT_PREC)
                 # the diagonal block: split at its middle row m where this slice allows
-                b_gm = tl.load(gam + (t0 + i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
                 b_dm = b_gi - b_gm[None, :]
                 if tl.max(tl.max(tl.abs(b_dm), 1), 0) <= MAX_SPLIT:
                     b_kn = tl.trans(b_ki * tl.exp(-b_dm))
@@ -203,7 +201,7 @@ def kda_intra_a_fwd_steep_kernel(
                     b_aqk_d += tl.dot(b_qi * b_em, b_kn, input_precision=DOT_PREC)
                 else:  # exact exp(gam_i - gam_j), one column j at a time
                     for j in range(BC):  # a runtime loop: unrolled, it multiplies compile time
-                        t_j = t0 + i_i * BC + j
+                        t_j = i_i * BC + j
                         # the row test as a block, not a scalar: Triton >= 3.7's interpreter
                         # refuses a block & scalar mask ('mask has unsupported dtype')
                         b_krow = tl.load(k + t_j * (H * K) + o_s[None, :],

@@ -28,9 +28,9 @@ def kda_intra_bwd_kernel(
 ):
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
     v += (bos * HV + i_hv) * V
     up += (bos * HV + i_hv) * V
     dup += (bos * HV + i_hv) * V
@@ -45,10 +45,9 @@ def kda_intra_bwd_kernel(
     i_chunk = g_c * HV + i_hv  # this chunk and head among [B, NC, HV]
     dtm_part += i_chunk * NS * BT * BT
     dbeta_part += i_chunk * NS * BT
-    t0 = i_c * BT
 
     o_r = tl.arange(0, BT)
-    o_t = t0 + o_r
+    o_t = o_r
     m_t = o_t < T
     row_c = (o_t[:, None]) * (HV * BT) + o_r[None, :]
 

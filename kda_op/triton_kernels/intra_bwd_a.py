@@ -51,10 +51,10 @@ def kda_intra_bwd_a_kernel(
     i_s = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
-    bos_pad = (g_c - i_c) * BT  # where the sequence starts in the padded gam buffer
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    bos_pad = g_c * BT  # the chunk's first row in the padded gam buffer
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     gam += (bos_pad * HV + i_hv) * K
@@ -65,7 +65,6 @@ def kda_intra_bwd_a_kernel(
     dg += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
     dgam_last += (g_c * HV + i_hv) * K
-    t0 = i_c * BT
 
     o_s = i_s * BKD + tl.arange(0, BKD)
     m_s = o_s < K
@@ -80,11 +79,11 @@ def kda_intra_bwd_a_kernel(
             # exp(+-MAX_SPLIT); dA_kk and dA_qk are zero above their diagonals, so no
             # overflowing product enters.
             o_r = tl.arange(0, BT)
-            o_t = t0 + o_r
+            o_t = o_r
             m_t = o_t < T
             m_ts = m_t[:, None] & m_s[None, :]
             b_g = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-            b_gmid = tl.load(gam + (t0 + BT // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+            b_gmid = tl.load(gam + (BT // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
             b_dmid = b_g - b_gmid[None, :]
             b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
             b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
@@ -120,7 +119,7 @@ def kda_intra_bwd_a_kernel(
             # before it in one [BC, BT] x [BT, BKD] dot, and each column block the
             # rows after it in one more, instead of a small dot per pair of blocks.
             o_r = tl.arange(0, BT)
-            o_t = t0 + o_r
+            o_t = o_r
             m_t = o_t < T
             m_ts = m_t[:, None] & m_s[None, :]
             b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
@@ -130,7 +129,7 @@ def kda_intra_bwd_a_kernel(
             b_ddt = tl.zeros([BKD], dtype=tl.float32)  # the gate's partial sums (GATE)
             b_dla_sum = tl.zeros([BKD], dtype=tl.float32)
             for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
-                o_i = t0 + i_i * BC + o_c
+                o_i = i_i * BC + o_c
                 m_i = o_i < T
                 m_is = m_i[:, None] & m_s[None, :]
                 row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
@@ -146,7 +145,7 @@ def kda_intra_bwd_a_kernel(
                     # block i_i's rows, the columns j before it; reference r = its first
                     # row: exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a
                     # decaying gate
-                    b_gr = tl.load(gam + (t0 + i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    b_gr = tl.load(gam + (i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
                     before = o_r < i_i * BC
                     b_kb = b_k * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_g, float("-inf")))
                     m_before = m_i[:, None] & before[None, :]
@@ -162,7 +161,7 @@ def kda_intra_bwd_a_kernel(
                 if i_i < BT // BC - 1:
                     # block i_i as the columns of the rows l after it; reference c = the
                     # first row after the block: exp(gam_l - gam_c), exp(gam_c - gam_j) <= 1
-                    b_gc = tl.load(gam + (t0 + (i_i + 1) * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    b_gc = tl.load(gam + ((i_i + 1) * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
                     after = o_r >= (i_i + 1) * BC
                     b_ea = tl.exp(tl.where(after[:, None], b_g - b_gc[None, :], float("-inf")))
                     p_col = (o_t[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
@@ -180,7 +179,7 @@ def kda_intra_bwd_a_kernel(
                 col = i_i * BC + o_c[None, :]
                 b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
                 b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
-                b_gm = tl.load(gam + (t0 + i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
                 b_gd = b_gi - b_gm[None, :]
                 if tl.max(tl.max(tl.abs(b_gd), 1), 0) <= MAX_SPLIT:
                     b_em = tl.exp(b_gd)

@@ -36,10 +36,10 @@ def kda_intra_bwd_w_kernel(
     i_s = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
-    bos_pad = (g_c - i_c) * BT  # where the sequence starts in the padded gam buffer
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    bos_pad = g_c * BT  # the chunk's first row in the padded gam buffer
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     up += (bos * HV + i_hv) * V
@@ -55,10 +55,9 @@ def kda_intra_bwd_w_kernel(
     dgam_last += i_chunk * K
     dtm_part += (i_chunk * tl.num_programs(0) + i_s) * BT * BT
     dbeta_part += (i_chunk * tl.num_programs(0) + i_s) * BT
-    t0 = i_c * BT
 
     o_r = tl.arange(0, BT)
-    o_t = t0 + o_r
+    o_t = o_r
     m_t = o_t < T
     s0_base = chunk_states + (s_c * HV + i_hv) * K * V
     dsc_base = dchunk_states + i_chunk * K * V
@@ -92,7 +91,7 @@ def kda_intra_bwd_w_kernel(
     b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
     b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-    b_glast = tl.load(gam + (t0 + BT - 1) * (HV * K) + o_s, mask=m_s, other=0.0)
+    b_glast = tl.load(gam + (BT - 1) * (HV * K) + o_s, mask=m_s, other=0.0)
     b_eg = tl.exp(b_gam)
     b_kg = b_k * b_eg
     b_rf = tl.exp(b_glast[None, :] - b_gam)

@@ -32,10 +32,10 @@ def kda_intra_wu_fwd_kernel(
     # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
-    bos_pad = (g_c - i_c) * BT  # where the sequence starts in the padded gam buffer
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    bos_pad = g_c * BT  # the chunk's first row in the padded gam buffer
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
     k += (bos * H + i_h) * K
     v += (bos * HV + i_hv) * V
     u += (bos * HV + i_hv) * V
@@ -44,10 +44,9 @@ def kda_intra_wu_fwd_kernel(
     gam += (bos_pad * HV + i_hv) * K
     akk += (bos * HV + i_hv) * BT
     tm += (bos * HV + i_hv) * BT
-    t0 = i_c * BT
 
     o_r = tl.arange(0, BT)
-    o_t = t0 + o_r
+    o_t = o_r
     m_t = o_t < T
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -74,7 +73,7 @@ def kda_intra_wu_fwd_kernel(
         if TM_ROW_LOADS:
             # row i of every block loaded again (A_kk was just read: cache hits)
             # rather than cut out of b_d by a cross-warp reduction
-            t_i = t0 + o_b * BC + i
+            t_i = o_b * BC + i
             m_i = t_i < T
             b_bi = tl.load(beta + t_i * HV, mask=m_i, other=0.0).to(tl.float32)
             b_di = b_bi[:, None] * tl.load(akk + t_i[:, None] * (HV * BT) + (o_b * BC)[:, None] + o_c[None, :],

@@ -32,16 +32,16 @@ def kda_output_fwd_kernel(
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
     qg += (bos * HV + i_hv) * K
     aqk += (bos * HV + i_hv) * BT
     up += (bos * HV + i_hv) * V
     o += (bos * HV + i_hv) * V
     chunk_states += (s_c * HV + i_hv) * K * V
 
-    o_t = i_c * BT + tl.arange(0, BT)
+    o_t = tl.arange(0, BT)
     m_t = o_t < T
     o_k = tl.arange(0, BK)
     m_k = o_k < K

@@ -38,8 +38,8 @@ def kda_recurrent_fwd_kernel(
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, _, _, _ = sequence_coords(i_bh, T, 0, H, HV, cu_seqlens, cu_seqlens, 1, IS_VARLEN)
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    # Each pointer moves to this sequence and head once, in 64-bit, and to each
+    # token in 64-bit in the loop; offsets inside a row are 32-bit at any T.
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     v += (bos * HV + i_hv) * V
@@ -79,10 +79,11 @@ def kda_recurrent_fwd_kernel(
         b_ga, b_gbias = gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, HAS_A, HAS_BIAS)
 
     for t in range(T):
-        row_qk = t * (H * K) + o_k
-        row_hv = t * HV
-        b_q = tl.load(q + row_qk, mask=m_k, other=0.0, eviction_policy=reread).to(tl.float32) * scale
-        b_k = tl.load(k + row_qk, mask=m_k, other=0.0, eviction_policy=reread).to(tl.float32)
+        t64 = tl.cast(t, tl.int64)
+        row_qk = t64 * (H * K)  # scalars: the pointers move first, then the 32-bit o_k, o_v
+        row_hv = t64 * HV
+        b_q = tl.load(q + row_qk + o_k, mask=m_k, other=0.0, eviction_policy=reread).to(tl.float32) * scale
+        b_k = tl.load(k + row_qk + o_k, mask=m_k, other=0.0, eviction_policy=reread).to(tl.float32)
         b_g = tl.load(g + row_hv * K + o_k, mask=m_k, other=0.0, eviction_policy=reread).to(tl.float32)
         # beta between q, k, g and v: the load order of the kernel timed on the H200
         b_beta = tl.load(beta + row_hv).to(tl.float32)

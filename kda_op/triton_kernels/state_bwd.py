@@ -41,9 +41,9 @@ def kda_state_bwd_prep_kernel(
     i_v = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, i_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, IS_VARLEN)
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
     qg += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     u += (bos * HV + i_hv) * V
@@ -55,7 +55,7 @@ def kda_state_bwd_prep_kernel(
     dchunk_states += (g_c * HV + i_hv) * K * V
 
     o_r = tl.arange(0, BT)
-    o_t = i_c * BT + o_r
+    o_t = o_r
     m_t = o_t < T
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -99,8 +99,8 @@ def kda_state_bwd_kernel(
     i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT,
                                                          IS_VARLEN)
     bos_pad = g_0 * BT  # where the sequence starts in the padded gam buffer
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    # Each pointer moves to this sequence and head once, in 64-bit, and to each
+    # chunk in 64-bit in the loop; offsets inside a chunk are 32-bit at any T.
     kr += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     dup += (bos * HV + i_hv) * V
@@ -123,29 +123,29 @@ def kda_state_bwd_kernel(
     else:
         b_ds = tl.zeros([BK, BV], dtype=tl.float32)
 
+    row_k = (o_r[:, None]) * (HV * K) + o_k[None, :]
+    row_v = (o_r[:, None]) * (HV * V) + o_v[None, :]
     for i_rev in range(NC):
         i_c = NC - 1 - i_rev
-        o_t = i_c * BT + o_r
-        m_t = o_t < T
+        r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
+        m_t = i_c * BT + o_r < T
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
-        row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         p_ds = dchunk_states + i_c * cs_stride + state_off
 
         # Qg^T dO from the prep kernel sits in the slot this chunk's dS_C goes to: use it
         # (so a prefetched copy of it has landed) and pass a barrier before the store.
-        b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        b_glast = tl.load(gam + (r0 + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds, mask=m_kv, other=0.0)
         tl.debug_barrier()
         tl.store(p_ds, b_ds, mask=m_kv)
 
-        b_kr = tl.load(kr + row_k, mask=m_tk, other=0.0)
-        b_w = tl.load(w + row_k, mask=m_tk, other=0.0)
+        b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
+        b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
         # dU' = A_qk^T dO (from the prep kernel) + Kr dS_C
-        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0) + tl.dot(b_kr.to(tl.float32), b_ds,
-                                                                   input_precision=DOT_PREC)
-        tl.store(dup + row_v, b_dup, mask=m_tv)
+        p_dup = dup + r0 * (HV * V) + row_v
+        b_dup = tl.load(p_dup, mask=m_tv, other=0.0) + tl.dot(b_kr.to(tl.float32), b_ds, input_precision=DOT_PREC)
+        tl.store(p_dup, b_dup, mask=m_tv)
         b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
 
     tl.store(dh0 + state_off, b_ds, mask=m_kv)

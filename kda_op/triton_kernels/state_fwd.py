@@ -35,8 +35,8 @@ def kda_state_fwd_kernel(
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT, IS_VARLEN)
     bos_pad = g_0 * BT  # where the sequence starts in the padded gam buffer
-    # Each pointer moves to this sequence and head once, in 64-bit; offsets inside
-    # the sequence stay 32-bit (_host.py checks T * HV * max(K, V, BT) < 2^31).
+    # Each pointer moves to this sequence and head once, in 64-bit, and to each
+    # chunk in 64-bit in the loop; offsets inside a chunk are 32-bit at any T.
     kr += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     u += (bos * HV + i_hv) * V
@@ -60,19 +60,19 @@ def kda_state_fwd_kernel(
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
     o_r = tl.arange(0, BT)
+    row_k = (o_r[:, None]) * (HV * K) + o_k[None, :]
+    row_v = (o_r[:, None]) * (HV * V) + o_v[None, :]
     for i_c in range(NC):
         tl.store(chunk_states + i_c * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
-        o_t = i_c * BT + o_r
-        m_t = o_t < T
-        row_k = (o_t[:, None]) * (HV * K) + o_k[None, :]
-        row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
-        b_w = tl.load(w + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
+        m_t = i_c * BT + o_r < T
+        b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_u = tl.load(u + r0 * (HV * V) + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_up = b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
-        tl.store(up + row_v, as_stored(b_up, up, INTERPRET), mask=m_t[:, None] & m_v[None, :])
+        tl.store(up + r0 * (HV * V) + row_v, as_stored(b_up, up, INTERPRET), mask=m_t[:, None] & m_v[None, :])
 
-        b_glast = tl.load(gam + (i_c * BT + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        b_glast = tl.load(gam + (r0 + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
     tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
