@@ -5,6 +5,7 @@
 #                                      # job, then our per-kernel times (bench_kernels.py)
 #   bash benchmarks/run_gpu.sh flags-verify   # every test, then the flags rows below and ours on
 #                                      # the standard shapes (after a kernel change)
+#   bash benchmarks/run_gpu.sh flags-check    # the same, shorter: the chunked kernels' CUDA tests
 #   bash benchmarks/run_gpu.sh flags   # ours against fla with fla's layer flags on
 #                                      # (RESULTS_layer.md) and packed (RESULTS_varlen.md)
 #   bash benchmarks/run_gpu.sh bench   # ours against fla (RESULTS.md), decode
@@ -143,6 +144,27 @@ flags-verify)
     step "ours alone, standard shapes"
     timeout "${STANDARD_LIMIT:-60}" python3 benchmarks/bench_chunk_kda.py --impl ours --rounds 2 >> "$LOG" 2>&1
     ;;
+flags-check)
+    # One shorter call after a change to the chunked kernels: their CUDA tests and
+    # fla's call surface on CUDA (no AOTI, demo or CPU-side groups), then the layer
+    # row ($FLAGS_SHAPES) and the varlen rows, each with every kernel's GPU time.
+    step "CUDA tests of the chunked kernels and the call surface"
+    L=${TEST_LIMIT:-260}
+    BIG="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fla_options.py tests/test_layer.py -m gpu > "$TLOGS/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fla_options.py -k triton > "$TLOGS/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t4.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t5.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" > "$TLOGS/t6.txt" 2>&1 &
+    collect_tests
+    step "ours and fla, layer flags"
+    timeout "${BENCH_LIMIT:-90}" python3 benchmarks/bench_chunk_kda.py --mode layer --shapes ${FLAGS_SHAPES:-B1-T8192-H16} \
+        --kernels --out "$OUT/RESULTS_layer.md" >> "$LOG" 2>&1
+    step "ours and fla, varlen"
+    timeout "${VARLEN_LIMIT:-120}" python3 benchmarks/bench_chunk_kda.py --mode varlen --kernels \
+        --out "$OUT/RESULTS_varlen.md" >> "$LOG" 2>&1
+    ;;
 candidates)
     # One call: the CUDA tests that a kernel change most needs (fp32, fp16, opcheck,
     # strong decay), our kernels under the candidate settings ($CANDIDATES, each
@@ -229,7 +251,7 @@ explore)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|flags-verify|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|flags-verify|flags-check|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"

@@ -165,7 +165,8 @@ def kda_intra_a_fwd_steep_kernel(
         else:
             i_first = 0
             n_blocks: tl.constexpr = BT // BC
-        for i_i in range(i_first, i_first + n_blocks):
+        # row blocks past the sequence's end (short or last chunks) hold no row: skipped
+        for i_i in range(i_first, tl.minimum(i_first + n_blocks, tl.cdiv(T, BC))):
             o_i = i_i * BC + o_c
             m_i = o_i < T
             before = o_r < i_i * BC  # the columns left of the diagonal block

@@ -129,86 +129,87 @@ def kda_intra_bwd_a_kernel(
             b_ddt = tl.zeros([BKD], dtype=tl.float32)  # the gate's partial sums (GATE)
             b_dla_sum = tl.zeros([BKD], dtype=tl.float32)
             for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
-                o_i = i_i * BC + o_c
-                m_i = o_i < T
-                m_is = m_i[:, None] & m_s[None, :]
-                row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
-                b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
-                b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-                b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
-                b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
-                b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
-                da_row = (o_i[:, None]) * (HV * BT)
+                if i_i * BC < T:  # a block past the sequence's end holds no row: skipped
+                    o_i = i_i * BC + o_c
+                    m_i = o_i < T
+                    m_is = m_i[:, None] & m_s[None, :]
+                    row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
+                    b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+                    b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+                    b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                    b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
+                    b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
+                    b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
+                    da_row = (o_i[:, None]) * (HV * BT)
 
-                if i_i > 0:
-                    # block i_i's rows, the columns j before it; reference r = its first
-                    # row: exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a
-                    # decaying gate
-                    b_gr = tl.load(gam + (i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
-                    before = o_r < i_i * BC
-                    b_kb = b_k * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_g, float("-inf")))
-                    m_before = m_i[:, None] & before[None, :]
-                    b_dqk = tl.load(daqk + da_row + o_r[None, :], mask=m_before, other=0.0)
-                    b_dkk = tl.load(dakk + da_row + o_r[None, :], mask=m_before, other=0.0)
-                    b_ai = tl.exp(b_gi - b_gr[None, :])
-                    b_tq = b_ai * tl.dot(b_dqk, b_kb, input_precision=DOT_PREC)
-                    b_tk = b_ai * tl.dot(b_dkk, b_kb, input_precision=DOT_PREC)
+                    if i_i > 0:
+                        # block i_i's rows, the columns j before it; reference r = its first
+                        # row: exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a
+                        # decaying gate
+                        b_gr = tl.load(gam + (i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                        before = o_r < i_i * BC
+                        b_kb = b_k * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_g, float("-inf")))
+                        m_before = m_i[:, None] & before[None, :]
+                        b_dqk = tl.load(daqk + da_row + o_r[None, :], mask=m_before, other=0.0)
+                        b_dkk = tl.load(dakk + da_row + o_r[None, :], mask=m_before, other=0.0)
+                        b_ai = tl.exp(b_gi - b_gr[None, :])
+                        b_tq = b_ai * tl.dot(b_dqk, b_kb, input_precision=DOT_PREC)
+                        b_tk = b_ai * tl.dot(b_dkk, b_kb, input_precision=DOT_PREC)
+                        b_dqi += b_tq
+                        b_dki += b_tk
+                        b_dgi += b_qi * b_tq + b_ki * b_tk
+
+                    if i_i < BT // BC - 1:
+                        # block i_i as the columns of the rows l after it; reference c = the
+                        # first row after the block: exp(gam_l - gam_c), exp(gam_c - gam_j) <= 1
+                        b_gc = tl.load(gam + ((i_i + 1) * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                        after = o_r >= (i_i + 1) * BC
+                        b_ea = tl.exp(tl.where(after[:, None], b_g - b_gc[None, :], float("-inf")))
+                        p_col = (o_t[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
+                        m_after = (m_t & after)[:, None]
+                        b_dqk = tl.load(daqk + p_col, mask=m_after, other=0.0)
+                        b_dkk = tl.load(dakk + p_col, mask=m_after, other=0.0)
+                        b_tk = tl.dot(tl.trans(b_dqk), b_q * b_ea, input_precision=DOT_PREC)
+                        b_tk += tl.dot(tl.trans(b_dkk), b_k * b_ea, input_precision=DOT_PREC)
+                        b_tk = tl.exp(b_gc[None, :] - b_gi) * b_tk
+                        b_dki += b_tk
+                        b_dgi -= b_ki * b_tk
+
+                    # diagonal block: split at its middle row m when the gates allow (as in
+                    # intra_a_fwd.py): exp(gam_i - gam_j) = exp(gam_i - gam_m) exp(gam_m - gam_j)
+                    col = i_i * BC + o_c[None, :]
+                    b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
+                    b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
+                    b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    b_gd = b_gi - b_gm[None, :]
+                    if tl.max(tl.max(tl.abs(b_gd), 1), 0) <= MAX_SPLIT:
+                        b_em = tl.exp(b_gd)
+                        b_en = tl.exp(-b_gd)
+                        b_kn = b_ki * b_en
+                        b_tq = b_em * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
+                        b_tk = b_em * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
+                        b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_qi * b_em, input_precision=DOT_PREC)
+                                        + tl.dot(tl.trans(b_dkk), b_ki * b_em, input_precision=DOT_PREC))
+                    else:  # steep gates: exact exp(gam_i - gam_j) per pair
+                        b_e = tl.exp(tl.where(causal, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
+                        b_tq = tl.sum(b_dqk[:, :, None] * b_ki[None, :, :] * b_e, 1)
+                        b_tk = tl.sum(b_dkk[:, :, None] * b_ki[None, :, :] * b_e, 1)
+                        b_tkj = tl.sum((b_dqk[:, :, None] * b_qi[:, None, :] + b_dkk[:, :, None] * b_ki[:, None, :]) * b_e, 0)
                     b_dqi += b_tq
-                    b_dki += b_tk
-                    b_dgi += b_qi * b_tq + b_ki * b_tk
+                    b_dki += b_tk + b_tkj
+                    b_dgi += b_qi * b_tq + b_ki * b_tk - b_ki * b_tkj
 
-                if i_i < BT // BC - 1:
-                    # block i_i as the columns of the rows l after it; reference c = the
-                    # first row after the block: exp(gam_l - gam_c), exp(gam_c - gam_j) <= 1
-                    b_gc = tl.load(gam + ((i_i + 1) * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
-                    after = o_r >= (i_i + 1) * BC
-                    b_ea = tl.exp(tl.where(after[:, None], b_g - b_gc[None, :], float("-inf")))
-                    p_col = (o_t[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
-                    m_after = (m_t & after)[:, None]
-                    b_dqk = tl.load(daqk + p_col, mask=m_after, other=0.0)
-                    b_dkk = tl.load(dakk + p_col, mask=m_after, other=0.0)
-                    b_tk = tl.dot(tl.trans(b_dqk), b_q * b_ea, input_precision=DOT_PREC)
-                    b_tk += tl.dot(tl.trans(b_dkk), b_k * b_ea, input_precision=DOT_PREC)
-                    b_tk = tl.exp(b_gc[None, :] - b_gi) * b_tk
-                    b_dki += b_tk
-                    b_dgi -= b_ki * b_tk
-
-                # diagonal block: split at its middle row m when the gates allow (as in
-                # intra_a_fwd.py): exp(gam_i - gam_j) = exp(gam_i - gam_m) exp(gam_m - gam_j)
-                col = i_i * BC + o_c[None, :]
-                b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
-                b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
-                b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
-                b_gd = b_gi - b_gm[None, :]
-                if tl.max(tl.max(tl.abs(b_gd), 1), 0) <= MAX_SPLIT:
-                    b_em = tl.exp(b_gd)
-                    b_en = tl.exp(-b_gd)
-                    b_kn = b_ki * b_en
-                    b_tq = b_em * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
-                    b_tk = b_em * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
-                    b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_qi * b_em, input_precision=DOT_PREC)
-                                    + tl.dot(tl.trans(b_dkk), b_ki * b_em, input_precision=DOT_PREC))
-                else:  # steep gates: exact exp(gam_i - gam_j) per pair
-                    b_e = tl.exp(tl.where(causal, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
-                    b_tq = tl.sum(b_dqk[:, :, None] * b_ki[None, :, :] * b_e, 1)
-                    b_tk = tl.sum(b_dkk[:, :, None] * b_ki[None, :, :] * b_e, 1)
-                    b_tkj = tl.sum((b_dqk[:, :, None] * b_qi[:, None, :] + b_dkk[:, :, None] * b_ki[:, None, :]) * b_e, 0)
-                b_dqi += b_tq
-                b_dki += b_tk + b_tkj
-                b_dgi += b_qi * b_tq + b_ki * b_tk - b_ki * b_tkj
-
-                # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
-                b_dgt = tl.cumsum(b_dgi, 0, reverse=True) + b_carry[None, :]
-                b_carry += tl.sum(b_dgi, 0)
-                if GATE:
-                    b_graw = tl.load(g + row_is, mask=m_is, other=0.0).to(tl.float32)
-                    b_dgt, b_dla = gate_bwd(b_dgt, b_graw, b_ga, b_gbias, lower_bound, GATE)
-                    b_ddt += tl.sum(tl.where(m_is, b_dgt, 0.0), 0)
-                    b_dla_sum += tl.sum(tl.where(m_is, b_dla, 0.0), 0)
-                tl.store(dq + row_is, b_dqi, mask=m_is)
-                tl.store(dk + row_is, b_dki, mask=m_is)
-                tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)
+                    # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
+                    b_dgt = tl.cumsum(b_dgi, 0, reverse=True) + b_carry[None, :]
+                    b_carry += tl.sum(b_dgi, 0)
+                    if GATE:
+                        b_graw = tl.load(g + row_is, mask=m_is, other=0.0).to(tl.float32)
+                        b_dgt, b_dla = gate_bwd(b_dgt, b_graw, b_ga, b_gbias, lower_bound, GATE)
+                        b_ddt += tl.sum(tl.where(m_is, b_dgt, 0.0), 0)
+                        b_dla_sum += tl.sum(tl.where(m_is, b_dla, 0.0), 0)
+                    tl.store(dq + row_is, b_dqi, mask=m_is)
+                    tl.store(dk + row_is, b_dki, mask=m_is)
+                    tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)
             if GATE:
                 tl.store(ddt_part + o_s, b_ddt, mask=m_s)
                 tl.store(dla_part + o_s, b_dla_sum, mask=m_s)
