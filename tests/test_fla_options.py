@@ -301,11 +301,24 @@ def _gate_tuple(x, gate):
     (CHUNK_SIZE + 19, ("lb", -5.0), 3.0),      # exp(A_log) ~ 20: gates near -5, steep chunks
     (2 * CHUNK_SIZE, ("lb-noA", -2.0), 0.0),
     (5, "softplus", 0.0),                     # the recurrent kernel (T <= RECURRENT_MAX_T)
+    # the steep chunks through the block references (settings.STEEP_BLOCK_REFS)
+    (CHUNK_SIZE + 19, ("lb", -5.0), "3.0 block refs"),
 ])
-def test_triton_gate_matches_reference(T, gate, steep_a):
+def test_triton_gate_matches_reference(T, gate, steep_a, monkeypatch):
     """gam_fwd.py (forward and the backward's recompute), recurrent_fwd.py and
     intra_bwd_a.py (both launches) with the gate, against the reference op."""
     device = _triton_or_skip()
+    tol = dict(FP32_TOL)
+    if isinstance(steep_a, str):
+        from kda_op.triton_kernels import settings
+
+        monkeypatch.setattr(settings, "STEEP_BLOCK_REFS", 1)
+        steep_a = float(steep_a.split()[0])
+        # Reduction order: the block references sum each entry's terms in another
+        # order, off by 2.5e-5 at most on grads of up to 44 (the default path: 2.8e-5
+        # and 3.4e-5 on dg and dk), which one entry of dg near 1e-3 exceeds
+        # elementwise: errors bounded relative to each grad's scale instead.
+        tol = dict(rtol=FP32_TOL["rtol"], atol=None)
     from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import kda_bwd_triton, kda_fwd_triton
 
@@ -337,7 +350,8 @@ def test_triton_gate_matches_reference(T, gate, steep_a):
         for name, a, b in zip(names, got, want):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             # dA_log and ddt_bias sum dg over every token: relative to their size
-            torch.testing.assert_close(a.cpu(), b, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+            atol = tol["atol"] if tol["atol"] is not None else max(FP32_TOL["atol"], 2e-6 * b.abs().max().item())
+            torch.testing.assert_close(a.cpu(), b, rtol=tol["rtol"], atol=atol, msg=lambda m: f"{name}: {m}")
     if steep_a:
         from kda_op.triton_kernels.fwd import _intra_fwd
         from kda_op.triton_kernels._host import _sizes

@@ -36,6 +36,7 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
     ("--gate", "1"),  # fla's in-kernel gate, softplus form
     ("--gate", "2"),  # ... lower-bound form
     ("--varlen", "--gate", "1"),  # packed sequences (cu_seqlens), as fla's layer trains
+    ("--gate", "2", "--set", "STEEP_BLOCK_REFS=1"),  # the steep chunks' block references
 ])
 def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
     """bf16 inputs under the options that are not the defaults."""

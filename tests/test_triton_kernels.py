@@ -131,16 +131,21 @@ def test_too_long_a_sequence_is_refused_not_wrapped():
 # interpreter's numpy says so.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("block_refs", [0, 1])  # settings.STEEP_BLOCK_REFS
 @pytest.mark.parametrize("T_cut", [0, 19])  # 19: the steep chunk is also the partial last one
-def test_triton_every_path_of_the_intra_chunk_kernels(T_cut):
+def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, block_refs, monkeypatch):
     """The intra-chunk kernels split exp(gam_i - gam_j) at a middle row only while
     every factor stays within exp(MAX_SPLIT): over the whole chunk, else over each
     sub-block of 16 rows, else they form each pair exactly. Three chunks, one per
     path: ordinary gates (whole chunk), -3 per token and channel with two -20
     spikes (32 rows: 96 > 60; 8 rows: 24 + 20 <= 60), and -9 (8 rows: 72 > 60).
     intra_a_fwd accumulates the A's of steep chunks too, which may overflow: they
-    must be dropped, not stored."""
+    must be dropped, not stored. With block_refs the second chunk (8 rows from
+    each block's middle: <= 60) takes the block-reference path, the third not."""
+    from kda_op.triton_kernels import settings
     from kda_op.triton_kernels.settings import MAX_SPLIT
+
+    monkeypatch.setattr(settings, "STEEP_BLOCK_REFS", block_refs)
 
     B, T, H, G, K, V = 1, 3 * CHUNK_SIZE - T_cut, 1, 2, 16, 16
     C = CHUNK_SIZE
@@ -317,7 +322,8 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     (2, CHUNK_SIZE + 3, 1, 2, 32, 20),  # partial last chunk; V * 4 bytes not a multiple of 256
     (1, 7, 1, 1, 16, 16),  # routed to the recurrent kernel when nothing is kept
 ])
-def test_triton_results_never_show_uninitialised_memory(B, T, H, G, K, V, dtype, monkeypatch):
+@pytest.mark.parametrize("block_refs", [0, 1])  # settings.STEEP_BLOCK_REFS: another way to store steep A's
+def test_triton_results_never_show_uninitialised_memory(B, T, H, G, K, V, dtype, block_refs, monkeypatch):
     """Every byte the ops return (outputs, chunk states, the kept-intermediates
     buffer with its alignment gaps) and every grad is written by the kernels or
     the launcher: filling each fresh allocation with one byte pattern, then
@@ -325,6 +331,8 @@ def test_triton_results_never_show_uninitialised_memory(B, T, H, G, K, V, dtype,
     buffer's unwritten alignment gap differing between eager and traced runs.) A
     steep first chunk: the steep path left A's entries above the diagonal
     unwritten until 2026-11-30."""
+    from kda_op.triton_kernels import settings
+
     inputs = _inputs(B, T, H, G, K, V, True, seed=T + V)
     g = inputs["g"].clone()
     g[:, : min(T, CHUNK_SIZE)] -= 4.0
@@ -334,6 +342,7 @@ def test_triton_results_never_show_uninitialised_memory(B, T, H, G, K, V, dtype,
     real_empty, real_empty_like = torch.empty, torch.empty_like
 
     def run(fill: int) -> list:
+        monkeypatch.setattr(settings, "STEEP_BLOCK_REFS", block_refs)  # undone below with the rest
         monkeypatch.setattr(torch, "empty", lambda *a, **kw: _filled(real_empty(*a, **kw), fill))
         monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _filled(real_empty_like(*a, **kw), fill))
         results = []

@@ -140,7 +140,7 @@ def kda_bwd_triton(
         )
         kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD), NC, B * HV)](
             *args, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))), **flags, BKD=S.BKD, STEEP=True,
-            num_warps=4,
+            BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
         )
         dA_log = empty() if A_log is None else dla_part.sum((0, 1, 3)).to(A_log.dtype)
         ddt_bias = empty() if dt_bias is None else ddt_part.sum((0, 1)).reshape(HV * K).to(dt_bias.dtype)

@@ -79,7 +79,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV, BT // BC if row_programs else 1)](
         q, k, gam, akk, aqk, steep, *s["VL_CHUNK"], scale, T, NC,
         **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
-        BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs, num_warps=4,
+        BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs,
+        BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
     )
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
         k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,

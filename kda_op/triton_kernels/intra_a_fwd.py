@@ -129,6 +129,19 @@ def kda_intra_a_fwd_kernel(
                                       INTERPRET).to(aqk.dtype.element_ty), mask=m_t[:, None])
 
 @triton.jit
+def _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, H, HV, K: tl.constexpr, BKS: tl.constexpr):
+    """K slice ``i_s`` of a row block's Q * scale, K and gam (rows ``o_i``), fp32,
+    with the slice's columns and their mask."""
+    o_s = i_s * BKS + tl.arange(0, BKS)
+    m_s = o_s < K
+    m_is = m_i[:, None] & m_s[None, :]
+    b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+    b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+    b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    return o_s, m_s, b_qi, b_ki, b_gi
+
+
+@triton.jit
 def kda_intra_a_fwd_steep_kernel(
     q, k, gam, akk, aqk, steep,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
@@ -136,14 +149,17 @@ def kda_intra_a_fwd_steep_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False, ROW_PROGRAMS: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, ROW_PROGRAMS: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False,
 ):
     """The A's of the chunks kda_intra_a_fwd_kernel marked steep; the others return
     at once. Row block by row block (BC rows), over K slices (BKS wide): the
     columns before the block through one dot with the block's first row as
     reference; the diagonal block split at its middle row where the slice allows,
     else exactly, pair by pair. ROW_PROGRAMS: one program per row block (grid
-    axis 2, BT // BC of them) instead of one looping over the chunk's blocks."""
+    axis 2, BT // BC of them) instead of one looping over the chunk's blocks.
+    BLOCK_REFS: first one pass with the block's middle row as the reference of
+    every column up to the block's end; kept where the block's gam strays at most
+    MAX_SPLIT from that row (settings.STEEP_BLOCK_REFS)."""
     scale = tl.cast(scale, tl.float32)  # fp64 where inductor launches it (see above)
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -170,58 +186,84 @@ def kda_intra_a_fwd_steep_kernel(
             o_i = i_i * BC + o_c
             m_i = o_i < T
             before = o_r < i_i * BC  # the columns left of the diagonal block
+            row_off = (o_i[:, None]) * (HV * BT)
             b_akk = tl.zeros([BC, BT], dtype=tl.float32)
             b_aqk = tl.zeros([BC, BT], dtype=tl.float32)
-            b_akk_d = tl.zeros([BC, BC], dtype=tl.float32)
-            b_aqk_d = tl.zeros([BC, BC], dtype=tl.float32)
-            for i_s in range(tl.cdiv(K, BKS)):
-                o_s = i_s * BKS + tl.arange(0, BKS)
-                m_s = o_s < K
-                m_is = m_i[:, None] & m_s[None, :]
-                b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
-                b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-                b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                # columns j before the block, reference r = the block's first row: both
-                # exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a decaying gate
-                b_gr = tl.load(gam + (i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
-                b_kc = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :],
-                               mask=(m_t & before)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
-                b_gc = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                b_kcb = tl.trans(b_kc * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_gc, 0.0)))
-                b_ei = tl.exp(b_gi - b_gr[None, :])
-                b_akk += tl.dot(b_ki * b_ei, b_kcb, input_precision=DOT_PREC)
-                b_aqk += tl.dot(b_qi * b_ei, b_kcb, input_precision=DOT_PREC)
-                # the diagonal block: split at its middle row m where this slice allows
-                b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
-                b_dm = b_gi - b_gm[None, :]
-                if tl.max(tl.max(tl.abs(b_dm), 1), 0) <= MAX_SPLIT:
-                    b_kn = tl.trans(b_ki * tl.exp(-b_dm))
+            spread = tl.full([], 2 * MAX_SPLIT, tl.float32)  # without BLOCK_REFS: the former way
+            if BLOCK_REFS:
+                # One pass with the block's middle row m as the reference of every column
+                # up to the block's end: exp(gam_i - gam_m), and exp(gam_m - gam_j) inside
+                # the block, stay within exp(MAX_SPLIT) where the block's spread allows;
+                # before it exp(gam_m - gam_j) <= 1 for a decaying gate.
+                upto = o_r < (i_i + 1) * BC
+                spread = tl.full([], 0.0, tl.float32)
+                for i_s in range(tl.cdiv(K, BKS)):
+                    o_s, m_s, b_qi, b_ki, b_gi = _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, H, HV, K, BKS)
+                    b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    b_dm = b_gi - b_gm[None, :]
+                    spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_dm), 1), 0))
+                    b_kc = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :],
+                                   mask=(m_t & upto)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
+                    b_gc = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                    b_kcb = tl.trans(b_kc * tl.exp(tl.where(upto[:, None], b_gm[None, :] - b_gc, float("-inf"))))
                     b_em = tl.exp(b_dm)
-                    # entries above the diagonal may overflow: dropped by the where below
-                    b_akk_d += tl.dot(b_ki * b_em, b_kn, input_precision=DOT_PREC)
-                    b_aqk_d += tl.dot(b_qi * b_em, b_kn, input_precision=DOT_PREC)
-                else:  # exact exp(gam_i - gam_j), one column j at a time
-                    for j in range(BC):  # a runtime loop: unrolled, it multiplies compile time
-                        t_j = i_i * BC + j
-                        # the row test as a block, not a scalar: Triton >= 3.7's interpreter
-                        # refuses a block & scalar mask ('mask has unsupported dtype')
-                        b_krow = tl.load(k + t_j * (H * K) + o_s[None, :],
-                                         mask=(m_s & (t_j + 0 * o_s < T))[None, :], other=0.0).to(tl.float32)
-                        b_grow = tl.load(gam + t_j * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                        b_kje = b_krow * tl.exp(tl.where(o_c[:, None] >= j, b_gi - b_grow, float("-inf")))
-                        is_j = o_c[None, :] == j
-                        b_akk_d = tl.where(is_j, b_akk_d + tl.sum(b_ki * b_kje, 1)[:, None], b_akk_d)
-                        b_aqk_d = tl.where(is_j, b_aqk_d + tl.sum(b_qi * b_kje, 1)[:, None], b_aqk_d)
-            row_off = (o_i[:, None]) * (HV * BT)
-            # every column but the diagonal block's (stored below): those after it
-            # are above the diagonal, zero (the A's are returned as kept intermediates,
-            # whose every byte is written)
-            outside = (before | (o_r >= (i_i + 1) * BC))[None, :]
-            tl.store(akk + row_off + o_r[None, :], tl.where(before[None, :], b_akk, 0.0), mask=m_i[:, None] & outside)
-            tl.store(aqk + row_off + o_r[None, :],
-                     as_stored(tl.where(before[None, :], b_aqk, 0.0), aqk, INTERPRET).to(aqk.dtype.element_ty),
-                     mask=m_i[:, None] & outside)
-            col = i_i * BC + o_c[None, :]
-            tl.store(akk + row_off + col, tl.where(o_c[:, None] > o_c[None, :], b_akk_d, 0.0), mask=m_i[:, None])
-            tl.store(aqk + row_off + col, as_stored(tl.where(o_c[:, None] >= o_c[None, :], b_aqk_d, 0.0), aqk,
-                                                    INTERPRET).to(aqk.dtype.element_ty), mask=m_i[:, None])
+                    b_akk += tl.dot(b_ki * b_em, b_kcb, input_precision=DOT_PREC)
+                    b_aqk += tl.dot(b_qi * b_em, b_kcb, input_precision=DOT_PREC)
+            if spread <= MAX_SPLIT:
+                # the whole row, zero above the diagonal (kept intermediates: every byte written)
+                tl.store(akk + row_off + o_r[None, :], tl.where(o_r[None, :] < o_i[:, None], b_akk, 0.0),
+                         mask=m_i[:, None])
+                tl.store(aqk + row_off + o_r[None, :],
+                         as_stored(tl.where(o_r[None, :] <= o_i[:, None], b_aqk, 0.0), aqk,
+                                   INTERPRET).to(aqk.dtype.element_ty), mask=m_i[:, None])
+            else:
+                before = o_r < i_i * BC  # the columns left of the diagonal block
+                b_akk = tl.zeros([BC, BT], dtype=tl.float32)
+                b_aqk = tl.zeros([BC, BT], dtype=tl.float32)
+                b_akk_d = tl.zeros([BC, BC], dtype=tl.float32)
+                b_aqk_d = tl.zeros([BC, BC], dtype=tl.float32)
+                for i_s in range(tl.cdiv(K, BKS)):
+                    o_s, m_s, b_qi, b_ki, b_gi = _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, H, HV, K, BKS)
+                    # columns j before the block, reference r = the block's first row: both
+                    # exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a decaying gate
+                    b_gr = tl.load(gam + (i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    b_kc = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :],
+                                   mask=(m_t & before)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
+                    b_gc = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                    b_kcb = tl.trans(b_kc * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_gc, 0.0)))
+                    b_ei = tl.exp(b_gi - b_gr[None, :])
+                    b_akk += tl.dot(b_ki * b_ei, b_kcb, input_precision=DOT_PREC)
+                    b_aqk += tl.dot(b_qi * b_ei, b_kcb, input_precision=DOT_PREC)
+                    # the diagonal block: split at its middle row m where this slice allows
+                    b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    b_dm = b_gi - b_gm[None, :]
+                    if tl.max(tl.max(tl.abs(b_dm), 1), 0) <= MAX_SPLIT:
+                        b_kn = tl.trans(b_ki * tl.exp(-b_dm))
+                        b_em = tl.exp(b_dm)
+                        # entries above the diagonal may overflow: dropped by the where below
+                        b_akk_d += tl.dot(b_ki * b_em, b_kn, input_precision=DOT_PREC)
+                        b_aqk_d += tl.dot(b_qi * b_em, b_kn, input_precision=DOT_PREC)
+                    else:  # exact exp(gam_i - gam_j), one column j at a time
+                        for j in range(BC):  # a runtime loop: unrolled, it multiplies compile time
+                            t_j = i_i * BC + j
+                            # the row test as a block, not a scalar: Triton >= 3.7's interpreter
+                            # refuses a block & scalar mask ('mask has unsupported dtype')
+                            b_krow = tl.load(k + t_j * (H * K) + o_s[None, :],
+                                             mask=(m_s & (t_j + 0 * o_s < T))[None, :], other=0.0).to(tl.float32)
+                            b_grow = tl.load(gam + t_j * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                            b_kje = b_krow * tl.exp(tl.where(o_c[:, None] >= j, b_gi - b_grow, float("-inf")))
+                            is_j = o_c[None, :] == j
+                            b_akk_d = tl.where(is_j, b_akk_d + tl.sum(b_ki * b_kje, 1)[:, None], b_akk_d)
+                            b_aqk_d = tl.where(is_j, b_aqk_d + tl.sum(b_qi * b_kje, 1)[:, None], b_aqk_d)
+                # every column but the diagonal block's (stored below): those after it
+                # are above the diagonal, zero (the A's are returned as kept intermediates,
+                # whose every byte is written)
+                outside = (before | (o_r >= (i_i + 1) * BC))[None, :]
+                tl.store(akk + row_off + o_r[None, :], tl.where(before[None, :], b_akk, 0.0), mask=m_i[:, None] & outside)
+                tl.store(aqk + row_off + o_r[None, :],
+                         as_stored(tl.where(before[None, :], b_aqk, 0.0), aqk, INTERPRET).to(aqk.dtype.element_ty),
+                         mask=m_i[:, None] & outside)
+                col = i_i * BC + o_c[None, :]
+                tl.store(akk + row_off + col, tl.where(o_c[:, None] > o_c[None, :], b_akk_d, 0.0), mask=m_i[:, None])
+                tl.store(aqk + row_off + col, as_stored(tl.where(o_c[:, None] >= o_c[None, :], b_aqk_d, 0.0), aqk,
+                                                        INTERPRET).to(aqk.dtype.element_ty), mask=m_i[:, None])

@@ -97,6 +97,16 @@ BKD = 32
 # gate (lower_bound = -5: gates near -2.5 per token on average), where the looping
 # form took 0.415 of a 1.0 ms forward at B1-T8192-H16 (H200, 2026-12-01).
 STEEP_FWD_ROW_PROGRAMS = 1
+# Steep chunks whose gam strays at most MAX_SPLIT from the middle row of each
+# BC-row block (gates down to about -7.5 per token: fla's safe_gate range, its
+# layer's -5) take those middle rows as references for the whole row block, the
+# diagonal block included, instead of the first row for the columns before it and
+# a split or exact pairs for the diagonal block (1), in one pass without a branch
+# per K slice; the backward then runs the common path's dots, four per block. The
+# others go as before (0: always as before). Prepared 2026-12-01 (interpreter:
+# the reference's forward and backward on steep chunks of both kinds), not timed
+# on a GPU yet: off.
+STEEP_BLOCK_REFS = 0
 # The scans: one program per (V block of BV_SCAN, batch * value head), sequential
 # over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
 # next chunk (two stages) where BK <= 128, which fits the H200's 227 KB of shared
