@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
          dict(**varlen, K=K, BT=BT, BC=BC, BKS=S.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT,
-              ROW_PROGRAMS=bool(S.STEEP_FWD_ROW_PROGRAMS)), 4, 3),
+              ROW_PROGRAMS=bool(S.STEEP_FWD_ROW_PROGRAMS), BLOCK_REFS=bool(S.STEEP_BLOCK_REFS)), 4, 3),
         # as the forward that keeps its intermediates (and the backward's recompute)
         # launches it, then as one that keeps nothing
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
@@ -219,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT, **gate), 4, 3),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT, **gate,
+              BLOCK_REFS=bool(S.STEEP_BLOCK_REFS)), 4, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(cu_seqlens="*i64", q=x, k=x, v=x, g=graw, beta=x, h0=f32, o=x, ht=f32, **gate_sig, scale="fp32", T="i32", H="i32",
-              HV="i32"),
+              HV="i32", slots="*i64", accepted="*i64", slots_stride="i32"),
          dict(**varlen, K=K, V=V, BK=s["BK"], BV=S.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
               INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), **gate),
          S.RECURRENT_WARPS, 3),

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._contract import SUPPORTED_DTYPES
+from ._contract import SUPPORTED_DTYPES, state_dtype
 
 
 def _check_tensor(name: str, x: object, ndim: int, layout: str) -> Tensor:
@@ -212,3 +212,71 @@ def check_options(
         _check_param(fn, "A_log", A_log, ((HV,),), "[HV]", q)
     if dt_bias is not None:
         _check_param(fn, "dt_bias", dt_bias, ((HV * K,), (HV, K)), "[HV * K]", q)
+
+
+def check_pool_inputs(q: Tensor, v: Tensor, pool: object, ssm_state_indices: object, num_accepted_tokens: object,
+                      state_v_first: bool, cu_seqlens: Optional[Tensor], needs_grad: bool) -> None:
+    """Validate decoding on a state pool (``fused_recurrent_kda`` with
+    ``ssm_state_indices``); raise TypeError or ValueError before any state is
+    touched. What reads the indices' values is checked only where they are CPU
+    tensors (no host sync) and nothing traces: the slots' range, the accepted
+    counts' range, and that no two sequences share a slot."""
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    layout = "[num_slots, HV, V, K] (state_v_first)" if state_v_first else "[num_slots, HV, K, V]"
+    if pool is None:
+        raise ValueError("ssm_state_indices needs the state pool as initial_state")
+    _check_tensor("initial_state (the state pool)", pool, 4, layout)
+    want = (HV, V, K) if state_v_first else (HV, K, V)
+    if tuple(pool.shape[1:]) != want:
+        raise ValueError(f"initial_state (the state pool) must be {layout} with HV={HV}, K={K}, V={V}, "
+                         f"got shape {tuple(pool.shape)}")
+    if pool.dtype != state_dtype(q.dtype):
+        raise TypeError(f"initial_state (the state pool) must be {state_dtype(q.dtype)} for {q.dtype} inputs "
+                        f"(the states' dtype), got {pool.dtype}")
+    if not pool.is_contiguous():
+        raise ValueError("initial_state (the state pool) must be contiguous: it is written in place")
+    if pool.device != q.device:
+        raise ValueError(f"initial_state (the state pool) must be on q's device {q.device}, got {pool.device}")
+    if needs_grad:
+        raise ValueError("decoding on a state pool (ssm_state_indices) is for inference: no input may need grad "
+                         "(run it under torch.no_grad() or detach the inputs)")
+    if not isinstance(ssm_state_indices, Tensor):
+        raise TypeError(f"ssm_state_indices must be a torch.Tensor, got {type(ssm_state_indices).__name__}")
+    idx = ssm_state_indices
+    if idx.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ssm_state_indices must be int32 or int64, got {idx.dtype}")
+    if idx.dim() not in (1, 2) or idx.shape[0] != N:
+        raise ValueError(f"ssm_state_indices must be [N] or [N, T_max] with N = {N} sequences, "
+                         f"got shape {tuple(idx.shape)}")
+    if idx.device != q.device:
+        raise ValueError(f"ssm_state_indices must be on q's device {q.device}, got {idx.device}")
+    if idx.dim() == 2 and cu_seqlens is None and idx.shape[1] < T:
+        raise ValueError(f"ssm_state_indices [N, T_max] needs a column per token: T_max >= T = {T}, "
+                         f"got {idx.shape[1]}")
+    if num_accepted_tokens is not None:
+        if idx.dim() != 2:
+            raise ValueError("num_accepted_tokens needs ssm_state_indices of shape [N, T_max] (a slot per token)")
+        if not isinstance(num_accepted_tokens, Tensor):
+            raise TypeError(f"num_accepted_tokens must be a torch.Tensor, got {type(num_accepted_tokens).__name__}")
+        if num_accepted_tokens.dtype not in (torch.int32, torch.int64) or num_accepted_tokens.shape != (N,):
+            raise ValueError(f"num_accepted_tokens must be an int32/int64 tensor of shape [N] = [{N}], got "
+                             f"{num_accepted_tokens.dtype} {tuple(num_accepted_tokens.shape)}")
+        if num_accepted_tokens.device != q.device:
+            raise ValueError(f"num_accepted_tokens must be on q's device {q.device}, got {num_accepted_tokens.device}")
+    if idx.device.type == "cpu" and not torch.compiler.is_compiling():
+        num_slots = pool.shape[0]
+        if idx.numel() and int(idx.max()) >= num_slots:
+            raise ValueError(f"ssm_state_indices holds slot {int(idx.max())}, past the pool's {num_slots} slots")
+        if num_accepted_tokens is not None and N:
+            nat = num_accepted_tokens
+            if int(nat.min()) < 1 or int(nat.max()) > idx.shape[1]:
+                raise ValueError(f"num_accepted_tokens must lie in [1, T_max = {idx.shape[1]}], "
+                                 f"got {nat.min().item()} .. {nat.max().item()}")
+        owner = {}
+        for n, row in enumerate(idx.reshape(N, -1).tolist()):
+            for slot in row:
+                if slot >= 0 and owner.setdefault(slot, n) != n:
+                    raise ValueError(f"ssm_state_indices gives slot {slot} to sequences {owner[slot]} and {n}: "
+                                     "sequences of one call must not share a slot")

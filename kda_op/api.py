@@ -10,7 +10,7 @@ from torch import Tensor
 
 from . import ops as _ops  # noqa: F401  (defines the ops and their autograd)
 from . import meta as _meta  # noqa: F401  (registers the fake kernels; needs the ops)
-from ._checks import check_bool, check_kda_inputs, check_options
+from ._checks import check_bool, check_kda_inputs, check_options, check_pool_inputs
 from ._contract import chunked_kernels_serve
 from .reference import beta_sigmoid_reference, l2norm_reference
 
@@ -21,9 +21,9 @@ _NOT_YET = {
     "use_graph": "fla's fixed-shape varlen chunk list for graph capture",
     "max_num_seqs": "fla's fixed-shape varlen chunk list for graph capture",
     "return_intermediate_states": "returning the chunk states for inference",
-    "ssm_state_indices": "decoding on a state pool (serving)",
-    "num_accepted_tokens": "speculative decoding on a state pool (serving)",
-    "inplace_final_state": "decoding on a state pool (serving)",
+    "ssm_state_indices": "prefill into a state pool (serving); fused_recurrent_kda takes it",
+    "num_accepted_tokens": "prefill into a state pool (serving); fused_recurrent_kda takes it",
+    "inplace_final_state": "prefill into a state pool (serving); fused_recurrent_kda takes it",
 }
 
 
@@ -260,6 +260,9 @@ def fused_recurrent_kda(
     lower_bound: Optional[float] = None,
     state_v_first: bool = False,
     cu_seqlens: Optional[Tensor] = None,
+    ssm_state_indices: Optional[Tensor] = None,
+    num_accepted_tokens: Optional[Tensor] = None,
+    inplace_final_state: bool = False,
     **kwargs: Any,
 ) -> tuple[Tensor, Optional[Tensor]]:
     """Kimi Delta Attention token by token: the decoding path.
@@ -274,10 +277,37 @@ def fused_recurrent_kda(
     differentiable (its backward recomputes the chunk states and reuses
     ``chunk_kda_bwd``), and traceable by ``torch.compile(fullgraph=True)``,
     ``torch.export`` and CUDA graph capture. ``cu_seqlens`` packs sequences as
-    in ``chunk_kda``; fla's serving keywords (``ssm_state_indices``,
-    ``num_accepted_tokens``, ``inplace_final_state``) raise NotImplementedError.
+    in ``chunk_kda``.
+
+    Serving on a state pool (fla's ``fused_recurrent_kda_fwd`` keywords):
+    ``initial_state`` is then a pool ``[num_slots, HV, K, V]`` (``[.., V, K]``
+    with ``state_v_first``; fp32, contiguous) and ``ssm_state_indices`` (int32 or
+    int64, on q's device) says which slot each of the N sequences (B, or those of
+    ``cu_seqlens``) uses: ``[N]``, a slot per sequence, read first and, with
+    ``inplace_final_state=True``, given the final state; or ``[N, T_max]``, a slot
+    per token for speculative decoding: the state after token t goes to
+    ``ssm_state_indices[n, t]`` and the sequence starts from slot
+    ``ssm_state_indices[n, num_accepted_tokens[n] - 1]`` (column 0 without
+    ``num_accepted_tokens``; needs ``inplace_final_state=True``). A negative slot
+    marks a padding sequence (as start slot: it reads and writes no state and its
+    output rows are zero) or a token whose state is not kept. Slots not written
+    are untouched, bit for bit. With ``inplace_final_state=True`` the pool is
+    updated in place by ``torch.ops.kda_op.fused_recurrent_kda_pool_`` (one
+    launch on CUDA; the schema declares the write, so torch.compile, torch.export
+    and CUDA graphs see it) and the second result is the pool; with False (1-D
+    indices) the pool is only read and the final states come back fresh
+    ``[N, ...]`` as without a pool. Inference only (no input may need grad).
+    Sequences of one call must not share a slot: refused where the indices are
+    CPU tensors (as are slots past the pool), unchecked on CUDA, where the
+    result of sharing is undefined.
     """
     _, state_v_first = _fla_kwargs("fused_recurrent_kda", kwargs, state_v_first, ())
+    check_bool("inplace_final_state", inplace_final_state)
+    if ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state:
+        return _fused_recurrent_on_pool(
+            q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+            ssm_state_indices, num_accepted_tokens, inplace_final_state)
     check_options(
         "fused_recurrent_kda", q, v, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -292,4 +322,51 @@ def fused_recurrent_kda(
         q, k, v, g, beta, None if scale is None else float(scale), h0,
         A_log, dt_bias, use_gate_in_kernel, None if lower_bound is None else float(lower_bound), cu_seqlens,
     )
+    return o, (_state_out(final_state, state_v_first) if output_final_state else None)
+
+
+def _fused_recurrent_on_pool(q, k, v, g, beta, A_log, dt_bias, scale, pool, output_final_state,
+                             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                             lower_bound, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
+                             inplace_final_state):
+    """fused_recurrent_kda on a state pool (its docstring): checks, then the in-place
+    op, or (not in place) the plain op on the gathered slots."""
+    if ssm_state_indices is None:
+        raise ValueError("num_accepted_tokens and inplace_final_state=True need ssm_state_indices (the pool's slots)")
+    check_options(
+        "fused_recurrent_kda", q, v, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=False, lower_bound=lower_bound, state_v_first=state_v_first,
+        chunk_size=64,
+    )
+    check_kda_inputs(q, k, v, g, beta, scale, None, output_final_state, state_v_first=state_v_first,
+                     cu_seqlens=cu_seqlens)
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, g, beta, pool, A_log, dt_bias))
+    check_pool_inputs(q, v, pool, ssm_state_indices, num_accepted_tokens, state_v_first, cu_seqlens, needs_grad)
+    if ssm_state_indices.dim() == 2 and not inplace_final_state:
+        raise NotImplementedError("ssm_state_indices of shape [N, T_max] (a state per token) needs "
+                                  "inplace_final_state=True in kda-op")
+    q, k, beta = _prepare(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    scale = None if scale is None else float(scale)
+    lb = None if lower_bound is None else float(lower_bound)
+    if inplace_final_state:
+        o = torch.ops.kda_op.fused_recurrent_kda_pool_(q, k, v, g, beta, scale, pool, ssm_state_indices,
+                                                       num_accepted_tokens, state_v_first, A_log, dt_bias,
+                                                       use_gate_in_kernel, lb, cu_seqlens)
+        return o, pool
+    # read only: the slots gathered (zeros for a padding sequence), the plain op
+    slots = ssm_state_indices.to(torch.int64)
+    live = (slots >= 0).to(pool.dtype).view(-1, 1, 1, 1)
+    h0 = _state_in(pool.index_select(0, slots.clamp_min(0)) * live, state_v_first)
+    o, final_state = torch.ops.kda_op.fused_recurrent_kda_fwd(q, k, v, g, beta, scale, h0, A_log, dt_bias,
+                                                              use_gate_in_kernel, lb, cu_seqlens)
+    # a padding sequence: zero output rows and final state
+    if cu_seqlens is None:
+        tokens_live = live.view(-1, 1, 1, 1)
+    else:
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        tokens_live = torch.repeat_interleave(live.view(-1), lengths, output_size=q.shape[1]).view(1, -1, 1, 1)
+    o = o * tokens_live.to(o.dtype)
+    final_state = final_state * live
     return o, (_state_out(final_state, state_v_first) if output_final_state else None)

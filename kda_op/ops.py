@@ -1,5 +1,6 @@
 """The KDA operators: ``torch.ops.kda_op.chunk_kda_fwd``, ``chunk_kda_bwd`` and
-``fused_recurrent_kda_fwd``; ``chunk_kda_fwd_export``, the CUDA forward as a
+``fused_recurrent_kda_fwd``; ``fused_recurrent_kda_pool_``, decoding on a state
+pool in place (serving); ``chunk_kda_fwd_export``, the CUDA forward as a
 triton_op for torch.export / AOTInductor; and ``kda_prep_fwd`` / ``kda_prep_bwd``,
 fla's q/k l2 norm and beta sigmoid in one pass each way.
 
@@ -35,6 +36,7 @@ from .reference import (
     kda_forward_reference_varlen,
     kda_gate_backward_reference,
     kda_gate_reference,
+    kda_pool_reference,
     l2norm_backward_reference,
     l2norm_reference,
 )
@@ -317,6 +319,62 @@ def _recurrent_backward(ctx, do: Tensor, dht: Tensor):
 
 
 fused_recurrent_kda_fwd.register_autograd(_recurrent_backward, setup_context=_recurrent_setup_context)
+
+
+# Serving: decoding on a state pool [num_slots, HV, K, V] (or V-first), read and
+# written in place through slot indices, as serving engines keep states (fla's
+# fused_recurrent_kda_fwd with ssm_state_indices). The pool is declared mutated,
+# so functionalisation (torch.compile), torch.export and CUDA graphs see the write.
+# Inference only: no autograd (the public function refuses inputs that need grad).
+@torch.library.custom_op(f"{NAMESPACE}::fused_recurrent_kda_pool_", mutates_args=("pool",), device_types="cpu")
+def fused_recurrent_kda_pool_(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    pool: Tensor,
+    ssm_state_indices: Tensor,
+    num_accepted_tokens: Optional[Tensor] = None,
+    state_v_first: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tensor:
+    """KDA token by token on states in ``pool``, updated in place: returns ``o``
+    ``[B, T, HV, V]``. Slot semantics: ``kda_op.reference.kda_pool_reference``
+    (a negative slot: a padding sequence, zero output, nothing read or written);
+    slots not written are untouched."""
+    return _pool_reference_(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, state_v_first,
+                            _gate(A_log, dt_bias, use_gate, lower_bound), cu_seqlens)
+
+
+def _pool_reference_(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, state_v_first, gate,
+                     cu_seqlens):
+    """fused_recurrent_kda_pool_ on the reference: o, and the pool written in place."""
+    if gate is not None:
+        g = kda_gate_reference(g, *gate)
+    o, new_pool = kda_pool_reference(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                                     cu_seqlens, state_v_first)
+    pool.copy_(new_pool)
+    return o
+
+
+@fused_recurrent_kda_pool_.register_kernel("cuda")
+def _fused_recurrent_kda_pool_cuda(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens=None,
+                                   state_v_first=False, A_log=None, dt_bias=None, use_gate=False, lower_bound=None,
+                                   cu_seqlens=None):
+    gate = _gate(A_log, dt_bias, use_gate, lower_bound)
+    if q.dtype == torch.float64:
+        return _pool_reference_(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens, state_v_first,
+                                gate, cu_seqlens)
+    from .triton_kernels import kda_recurrent_pool_triton
+
+    return kda_recurrent_pool_triton(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
+                                     state_v_first, gate=gate, cu_seqlens=cu_seqlens)
 
 
 # fla's q/k l2 norm (use_qk_l2norm_in_kernel) and beta sigmoid

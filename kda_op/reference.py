@@ -314,3 +314,55 @@ def kda_backward_reference_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
         dh0[n] = parts[5][0]
         slot += boundaries
     return (*grads, dh0)
+
+
+# ---------------------------------------------------------------------------
+# Decoding on a state pool (serving): fla's ssm_state_indices / num_accepted_tokens.
+
+def _sequence_rows(B: int, T: int, cu_seqlens: Optional[Tensor]) -> list[tuple[int, int, int]]:
+    """``(batch row, first token, end)`` of each sequence: B rows of T tokens, or
+    the packed sequences of ``cu_seqlens`` (B = 1)."""
+    if cu_seqlens is None:
+        return [(n, 0, T) for n in range(B)]
+    bounds = _bounds(cu_seqlens)
+    return [(0, bounds[n], bounds[n + 1]) for n in range(len(bounds) - 1)]
+
+
+def kda_pool_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
+                       pool: Tensor, indices: Tensor, num_accepted_tokens: Optional[Tensor],
+                       cu_seqlens: Optional[Tensor], state_v_first: bool = False) -> tuple[Tensor, Tensor]:
+    """The recurrence on states kept in a pool ``[num_slots, HV, K, V]`` (``[..., V,
+    K]`` with ``state_v_first``): ``(o, new_pool)``, ``new_pool`` a copy of ``pool``
+    with the writes done. Sequence n starts from slot ``indices[n]`` (1-D indices)
+    or ``indices[n, num_accepted_tokens[n] - 1]`` (2-D; column 0 without
+    ``num_accepted_tokens``); its final state goes to ``indices[n]`` (1-D), or the
+    state after its token t to ``indices[n, t]`` (2-D, in token order). A negative
+    start slot marks a padding sequence: it reads and writes nothing and its
+    output rows are zero; a negative ``indices[n, t]`` skips that write."""
+    B, T = q.shape[:2]
+    new_pool = pool.clone()
+    o = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
+    idx = indices.tolist()
+    nat = None if num_accepted_tokens is None else num_accepted_tokens.tolist()
+
+    def layout(state: Tensor) -> Tensor:  # [HV, K, V] <-> the pool's layout
+        return state.transpose(-1, -2) if state_v_first else state
+
+    for n, (b, a, e) in enumerate(_sequence_rows(B, T, cu_seqlens)):
+        row = idx[n]
+        start = (row[nat[n] - 1] if nat is not None else row[0]) if indices.dim() == 2 else row
+        if start < 0:
+            continue
+        h0 = layout(pool[start]).unsqueeze(0)
+        # chunks of one token: the boundaries are the states after every token
+        o_n, ht, states = kda_forward_reference(q[b:b + 1, a:e], k[b:b + 1, a:e], v[b:b + 1, a:e],
+                                                g[b:b + 1, a:e], beta[b:b + 1, a:e], scale, h0, chunk_size=1)
+        o[b:b + 1, a:e] = o_n
+        if indices.dim() == 1:
+            if e > a:
+                new_pool[start] = layout(ht[0])
+        else:
+            for t in range(e - a):
+                if row[t] >= 0:
+                    new_pool[row[t]] = layout(states[0, t + 1])
+    return o, new_pool

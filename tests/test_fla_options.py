@@ -253,7 +253,7 @@ def test_chunk_kda_refuses(kwargs, error, match):
 
 def test_fused_recurrent_kda_refuses():
     args, x = _args()
-    with pytest.raises(NotImplementedError, match="state pool"):
+    with pytest.raises(ValueError, match="need ssm_state_indices"):  # tests/test_pool.py: the pool itself
         fused_recurrent_kda(*args, inplace_final_state=True)
     with pytest.raises(ValueError, match="B must be 1"):
         fused_recurrent_kda(*(torch.cat([a, a]) for a in args), cu_seqlens=torch.tensor([0, 6]))

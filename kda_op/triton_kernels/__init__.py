@@ -14,18 +14,20 @@ backward  intra_a_fwd.py, intra_wu_fwd.py  recomputed, keeping Tm, unless the
           intra_bwd.py   dv, dbeta, dA_kk, dA_qk
           intra_bwd_a.py back through A_kk, A_qk: dq, dk, dg (parallel over K slices)
           gva_reduce.py  dq, dk summed from the value heads to the key heads
-decode    recurrent_fwd.py  token by token, the state held on chip (fused_recurrent_kda)
+decode    recurrent_fwd.py  token by token, the state held on chip (fused_recurrent_kda; on a
+                         state pool in place with POOL)
 shared    _indexing.py   program index -> batch, heads, sequence start
 host      fwd.py         allocation and launches of the chunked forward (kda_fwd_triton,
                          kda_fwd_triton_export)
           bwd.py         ... of the chunked backward (kda_bwd_triton)
-          decode.py      ... of the recurrent kernel (kda_recurrent_fwd_triton)
+          decode.py      ... of the recurrent kernel (kda_recurrent_fwd_triton, and on a
+                         state pool: kda_recurrent_pool_triton)
           _host.py       helpers they share: block sizes, checks, intermediates layout
           settings.py    the tuning settings (warps, blocks, options), read at every call
 """
 
 from .bwd import kda_bwd_triton
-from .decode import kda_recurrent_fwd_triton
+from .decode import kda_recurrent_fwd_triton, kda_recurrent_pool_triton
 from .fwd import kda_fwd_triton
 
-__all__ = ["kda_fwd_triton", "kda_bwd_triton", "kda_recurrent_fwd_triton"]
+__all__ = ["kda_fwd_triton", "kda_bwd_triton", "kda_recurrent_fwd_triton", "kda_recurrent_pool_triton"]

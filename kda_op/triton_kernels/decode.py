@@ -55,10 +55,46 @@ def kda_recurrent_fwd_triton(
     ga = _gate_args(gate, g)
     kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
         q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
-        q if cu_seqlens is None else cu_seqlens.contiguous(), scale, T, H, HV,
+        q if cu_seqlens is None else cu_seqlens.contiguous(), scale, T, H, HV, q, q, 1,
         K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
         INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
         IS_VARLEN=cu_seqlens is not None,
         num_warps=S.RECURRENT_WARPS, **({} if S.RECURRENT_MAXNREG is None else dict(maxnreg=S.RECURRENT_MAXNREG)),
     )
     return o, ht
+
+
+def kda_recurrent_pool_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+    ssm_state_indices: Tensor, num_accepted_tokens: Optional[Tensor] = None, state_v_first: bool = False,
+    gate: Optional[tuple] = None, cu_seqlens: Optional[Tensor] = None,
+) -> Tensor:
+    """``kda_op::fused_recurrent_kda_pool_`` on the recurrent kernel: ``o``, with the
+    states read from and written to ``pool`` (contiguous, fp32) in place, in one
+    launch (recurrent_fwd.py, POOL)."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    _check_offsets(T, HV, K, V)
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    _check_grid(N, HV, None)
+    scale = K**-0.5 if scale is None else float(scale)
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    if N * HV == 0:
+        return o
+    slots = ssm_state_indices.contiguous()
+    BK = max(16, triton.next_power_of_2(K))
+    BV = min(S.RECURRENT_BV, max(16, triton.next_power_of_2(V)))
+    ga = _gate_args(gate, g)
+    kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+        q, k, v, g, beta, pool, o, pool, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
+        q if cu_seqlens is None else cu_seqlens.contiguous(), scale, T, H, HV,
+        slots, slots if num_accepted_tokens is None else num_accepted_tokens.contiguous(),
+        slots.shape[1] if slots.dim() == 2 else 1,
+        K=K, V=V, BK=BK, BV=BV, HAS_H0=True, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
+        INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
+        IS_VARLEN=cu_seqlens is not None,
+        POOL=True, SLOTS_2D=slots.dim() == 2, HAS_ACCEPTED=num_accepted_tokens is not None, V_FIRST=state_v_first,
+        num_warps=S.RECURRENT_WARPS, **({} if S.RECURRENT_MAXNREG is None else dict(maxnreg=S.RECURRENT_MAXNREG)),
+    )
+    return o

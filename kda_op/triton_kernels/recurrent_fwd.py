@@ -23,12 +23,22 @@ def kda_recurrent_fwd_kernel(
     cu_seqlens,  # varlen (IS_VARLEN): _indexing.py
     scale, T,
     H, HV,  # runtime: one compiled kernel serves every head count
+    slots, accepted, slots_stride,  # POOL (stand-ins otherwise, never read)
     K: tl.constexpr, V: tl.constexpr,
     BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, STREAM_HINTS: tl.constexpr = False, INPUT_HINTS: tl.constexpr = False,
     GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False,
+    POOL: tl.constexpr = False, SLOTS_2D: tl.constexpr = False, HAS_ACCEPTED: tl.constexpr = False,
+    V_FIRST: tl.constexpr = False,
 ):
+    # POOL: h0 and ht are one state pool [num_slots, HV, K, V] ([.., V, K] with
+    # V_FIRST), updated in place: sequence i_b starts from slot slots[i_b] (1-D) or
+    # slots[i_b, accepted[i_b] - 1] (SLOTS_2D; column 0 without HAS_ACCEPTED) and
+    # writes its final state there (1-D) or its state after token t to slots[i_b,
+    # t] (SLOTS_2D). A negative start slot: a padding sequence, which reads and
+    # writes no state and outputs zeros; a negative slots[i_b, t]: no write. Each
+    # program reads its state tile whole before it writes any.
     # GATE: fla's in-kernel gate (_gate.py) on each token's raw g
     # STREAM_HINTS: the state is read once and written once, never reused by this
     # launch: load it evict-first and store it streaming (.cs), keeping L2 for q,
@@ -46,15 +56,33 @@ def kda_recurrent_fwd_kernel(
     o += (bos * HV + i_hv) * V
     g += (bos * HV + i_hv) * K
     beta += bos * HV + i_hv
-    h0 += (i_b * HV + i_hv) * K * V
-    ht += (i_b * HV + i_hv) * K * V
-
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
-    state_off = o_k[:, None] * V + o_v[None, :]
+    if V_FIRST:
+        state_off = o_v[None, :] * K + o_k[:, None]
+    else:
+        state_off = o_k[:, None] * V + o_v[None, :]
+    if POOL:
+        slot_size = tl.cast(HV, tl.int64) * K * V
+        h0 += i_hv * K * V  # the pool, at this head; slots move it further
+        ht += i_hv * K * V
+        if SLOTS_2D:
+            if HAS_ACCEPTED:
+                t_start = tl.load(accepted + i_b).to(tl.int64) - 1
+            else:
+                t_start = 0
+            slot0 = tl.load(slots + i_b * slots_stride + t_start).to(tl.int64)
+        else:
+            slot0 = tl.load(slots + i_b).to(tl.int64)
+        live = slot0 >= 0
+        h0 += tl.maximum(slot0, 0) * slot_size
+    else:
+        h0 += (i_b * HV + i_hv) * K * V
+        ht += (i_b * HV + i_hv) * K * V
+        live = True
 
     # The hints as policy names, "" being Triton's default (no hint).
     if STREAM_HINTS:
@@ -71,7 +99,7 @@ def kda_recurrent_fwd_kernel(
         once: tl.constexpr = ""
 
     if HAS_H0:
-        b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0, eviction_policy=state_load).to(tl.float32)
+        b_s = tl.load(h0 + state_off, mask=m_kv & live, other=0.0, eviction_policy=state_load).to(tl.float32)
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -95,6 +123,17 @@ def kda_recurrent_fwd_kernel(
         b_r = b_v - tl.sum(b_k[:, None] * b_s, 0)
         b_s += (b_beta * b_k)[:, None] * b_r[None, :]
         b_o = tl.sum(b_q[:, None] * b_s, 0)
+        if POOL:
+            b_o = tl.where(live, b_o, 0.0)  # a padding sequence outputs zeros
+            if SLOTS_2D:
+                slot_t = tl.load(slots + i_b * slots_stride + t).to(tl.int64)
+                tl.store(ht + tl.maximum(slot_t, 0) * slot_size + state_off, b_s, mask=m_kv & live & (slot_t >= 0),
+                         cache_modifier=state_store)
         tl.store(o + row_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v, eviction_policy=once)
 
-    tl.store(ht + state_off, b_s, mask=m_kv, cache_modifier=state_store)
+    if POOL:
+        if not SLOTS_2D:
+            tl.store(ht + tl.maximum(slot0, 0) * slot_size + state_off, b_s, mask=m_kv & live & (T > 0),
+                     cache_modifier=state_store)
+    else:
+        tl.store(ht + state_off, b_s, mask=m_kv, cache_modifier=state_store)
