@@ -21,10 +21,10 @@ _NOT_YET = {
     "use_graph": "fla's fixed-shape varlen chunk list for graph capture",
     "max_num_seqs": "fla's fixed-shape varlen chunk list for graph capture",
     "return_intermediate_states": "returning the chunk states for inference",
-    "ssm_state_indices": "prefill into a state pool (serving); fused_recurrent_kda takes it",
-    "num_accepted_tokens": "prefill into a state pool (serving); fused_recurrent_kda takes it",
-    "inplace_final_state": "prefill into a state pool (serving); fused_recurrent_kda takes it",
 }
+# fla's serving keywords: chunk_kda reads them from **kwargs (fused_recurrent_kda
+# names them), both through _on_pool.
+_POOL_KEYWORDS = ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state")
 
 
 def _refuse_not_yet(fn: str, values: dict) -> None:
@@ -167,6 +167,13 @@ def chunk_kda(
             cut 64-token chunks, so results differ from fla's by rounding only.
         return_intermediate_states, cp_context, use_graph, max_num_seqs:
             fla's; not implemented in kda-op yet (NotImplementedError when set).
+        ssm_state_indices, inplace_final_state: (keywords) prefill into a state
+            pool: ``initial_state`` is the pool, ``ssm_state_indices`` ``[N]``
+            each sequence's slot, read first and (``inplace_final_state=True``)
+            given the final state in place, by the chunked kernels' scan (no
+            gather or scatter around them). Semantics, checks and the
+            read-only form (``inplace_final_state=False``): as
+            :func:`fused_recurrent_kda`'s 1-D slots. Inference only.
         recompute_in_backward: kda-op's: on CUDA, when a backward will follow,
             the forward keeps its intra-chunk quantities for it (about 3 KB per
             token and value head at K = V = 128 with bf16 inputs, until the
@@ -200,8 +207,17 @@ def chunk_kda(
     """
     _refuse_not_yet("chunk_kda", dict(return_intermediate_states=return_intermediate_states, cp_context=cp_context,
                                       use_graph=use_graph, max_num_seqs=max_num_seqs))
-    extra, state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first, ("A_log", "dt_bias", "chunk_size"))
+    extra, state_v_first = _fla_kwargs("chunk_kda", kwargs, state_v_first,
+                                       ("A_log", "dt_bias", "chunk_size") + _POOL_KEYWORDS)
     A_log, dt_bias = extra.get("A_log"), extra.get("dt_bias")
+    pool_args = {name: extra.get(name) for name in _POOL_KEYWORDS}
+    if any(x is not None and x is not False for x in pool_args.values()):
+        inplace = False if pool_args["inplace_final_state"] is None else pool_args["inplace_final_state"]
+        check_bool("inplace_final_state", inplace)
+        return _on_pool("chunk_kda", q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state,
+                        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
+                        lower_bound, state_v_first, cu_seqlens, pool_args["ssm_state_indices"],
+                        pool_args["num_accepted_tokens"], inplace, safe_gate, extra.get("chunk_size", 64))
     check_options(
         "chunk_kda", q, v, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -304,10 +320,10 @@ def fused_recurrent_kda(
     _, state_v_first = _fla_kwargs("fused_recurrent_kda", kwargs, state_v_first, ())
     check_bool("inplace_final_state", inplace_final_state)
     if ssm_state_indices is not None or num_accepted_tokens is not None or inplace_final_state:
-        return _fused_recurrent_on_pool(
-            q, k, v, g, beta, A_log, dt_bias, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-            use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
-            ssm_state_indices, num_accepted_tokens, inplace_final_state)
+        return _on_pool("fused_recurrent_kda", q, k, v, g, beta, A_log, dt_bias, scale, initial_state,
+                        output_final_state, use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel,
+                        allow_neg_eigval, lower_bound, state_v_first, cu_seqlens, ssm_state_indices,
+                        num_accepted_tokens, inplace_final_state, False, 64)
     check_options(
         "fused_recurrent_kda", q, v, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
@@ -325,25 +341,29 @@ def fused_recurrent_kda(
     return o, (_state_out(final_state, state_v_first) if output_final_state else None)
 
 
-def _fused_recurrent_on_pool(q, k, v, g, beta, A_log, dt_bias, scale, pool, output_final_state,
-                             use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval,
-                             lower_bound, state_v_first, cu_seqlens, ssm_state_indices, num_accepted_tokens,
-                             inplace_final_state):
-    """fused_recurrent_kda on a state pool (its docstring): checks, then the in-place
-    op, or (not in place) the plain op on the gathered slots."""
+def _on_pool(fn, q, k, v, g, beta, A_log, dt_bias, scale, pool, output_final_state, use_qk_l2norm_in_kernel,
+             use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval, lower_bound, state_v_first, cu_seqlens,
+             ssm_state_indices, num_accepted_tokens, inplace_final_state, safe_gate, chunk_size):
+    """chunk_kda / fused_recurrent_kda (``fn``) on a state pool (their docstrings):
+    checks, then the in-place op, or (not in place) the plain op on the gathered
+    slots."""
     if ssm_state_indices is None:
         raise ValueError("num_accepted_tokens and inplace_final_state=True need ssm_state_indices (the pool's slots)")
     check_options(
-        "fused_recurrent_kda", q, v, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        fn, q, v, A_log=A_log, dt_bias=dt_bias, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
         use_gate_in_kernel=use_gate_in_kernel, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-        allow_neg_eigval=allow_neg_eigval, safe_gate=False, lower_bound=lower_bound, state_v_first=state_v_first,
-        chunk_size=64,
+        allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound, state_v_first=state_v_first,
+        chunk_size=chunk_size,
     )
     check_kda_inputs(q, k, v, g, beta, scale, None, output_final_state, state_v_first=state_v_first,
                      cu_seqlens=cu_seqlens)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, pool, A_log, dt_bias))
     check_pool_inputs(q, v, pool, ssm_state_indices, num_accepted_tokens, state_v_first, cu_seqlens, needs_grad)
+    chunked = fn == "chunk_kda"
+    if chunked and (ssm_state_indices.dim() == 2 or num_accepted_tokens is not None):
+        raise NotImplementedError("chunk_kda takes one slot per sequence (ssm_state_indices [N]); a slot per token "
+                                  "(speculative decoding) is fused_recurrent_kda's")
     if ssm_state_indices.dim() == 2 and not inplace_final_state:
         raise NotImplementedError("ssm_state_indices of shape [N, T_max] (a state per token) needs "
                                   "inplace_final_state=True in kda-op")
@@ -351,16 +371,24 @@ def _fused_recurrent_on_pool(q, k, v, g, beta, A_log, dt_bias, scale, pool, outp
     scale = None if scale is None else float(scale)
     lb = None if lower_bound is None else float(lower_bound)
     if inplace_final_state:
-        o = torch.ops.kda_op.fused_recurrent_kda_pool_(q, k, v, g, beta, scale, pool, ssm_state_indices,
-                                                       num_accepted_tokens, state_v_first, A_log, dt_bias,
-                                                       use_gate_in_kernel, lb, cu_seqlens)
+        if chunked:
+            o = torch.ops.kda_op.chunk_kda_pool_(q, k, v, g, beta, scale, pool, ssm_state_indices, state_v_first,
+                                                 A_log, dt_bias, use_gate_in_kernel, lb, cu_seqlens)
+        else:
+            o = torch.ops.kda_op.fused_recurrent_kda_pool_(q, k, v, g, beta, scale, pool, ssm_state_indices,
+                                                           num_accepted_tokens, state_v_first, A_log, dt_bias,
+                                                           use_gate_in_kernel, lb, cu_seqlens)
         return o, pool
     # read only: the slots gathered (zeros for a padding sequence), the plain op
     slots = ssm_state_indices.to(torch.int64)
     live = (slots >= 0).to(pool.dtype).view(-1, 1, 1, 1)
     h0 = _state_in(pool.index_select(0, slots.clamp_min(0)) * live, state_v_first)
-    o, final_state = torch.ops.kda_op.fused_recurrent_kda_fwd(q, k, v, g, beta, scale, h0, A_log, dt_bias,
+    if chunked:
+        o, final_state, _, _ = torch.ops.kda_op.chunk_kda_fwd(q, k, v, g, beta, scale, h0, False, A_log, dt_bias,
                                                               use_gate_in_kernel, lb, cu_seqlens)
+    else:
+        o, final_state = torch.ops.kda_op.fused_recurrent_kda_fwd(q, k, v, g, beta, scale, h0, A_log, dt_bias,
+                                                                  use_gate_in_kernel, lb, cu_seqlens)
     # a padding sequence: zero output rows and final state
     if cu_seqlens is None:
         tokens_live = live.view(-1, 1, 1, 1)

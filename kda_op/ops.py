@@ -1,6 +1,6 @@
 """The KDA operators: ``torch.ops.kda_op.chunk_kda_fwd``, ``chunk_kda_bwd`` and
-``fused_recurrent_kda_fwd``; ``fused_recurrent_kda_pool_``, decoding on a state
-pool in place (serving); ``chunk_kda_fwd_export``, the CUDA forward as a
+``fused_recurrent_kda_fwd``; ``fused_recurrent_kda_pool_`` and ``chunk_kda_pool_``,
+decoding and prefill on a state pool in place (serving); ``chunk_kda_fwd_export``, the CUDA forward as a
 triton_op for torch.export / AOTInductor; and ``kda_prep_fwd`` / ``kda_prep_bwd``,
 fla's q/k l2 norm and beta sigmoid in one pass each way.
 
@@ -375,6 +375,45 @@ def _fused_recurrent_kda_pool_cuda(q, k, v, g, beta, scale, pool, ssm_state_indi
 
     return kda_recurrent_pool_triton(q, k, v, g, beta, scale, pool, ssm_state_indices, num_accepted_tokens,
                                      state_v_first, gate=gate, cu_seqlens=cu_seqlens)
+
+
+# Serving, prefill: the chunked forward on the same pool, 1-D slots (a sequence's
+# initial state read from its slot and its final state written back, in place).
+@torch.library.custom_op(f"{NAMESPACE}::chunk_kda_pool_", mutates_args=("pool",), device_types="cpu")
+def chunk_kda_pool_(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    pool: Tensor,
+    ssm_state_indices: Tensor,
+    state_v_first: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tensor:
+    """The chunked KDA forward on states in ``pool``, updated in place: returns
+    ``o``; ``ssm_state_indices`` [N] as in ``fused_recurrent_kda_pool_`` (the same
+    results up to the chunked form's rounding)."""
+    return _pool_reference_(q, k, v, g, beta, scale, pool, ssm_state_indices, None, state_v_first,
+                            _gate(A_log, dt_bias, use_gate, lower_bound), cu_seqlens)
+
+
+@chunk_kda_pool_.register_kernel("cuda")
+def _chunk_kda_pool_cuda(q, k, v, g, beta, scale, pool, ssm_state_indices, state_v_first=False, A_log=None,
+                         dt_bias=None, use_gate=False, lower_bound=None, cu_seqlens=None):
+    gate = _gate(A_log, dt_bias, use_gate, lower_bound)
+    if not chunked_kernels_serve(q.device.type, q.dtype):
+        return _pool_reference_(q, k, v, g, beta, scale, pool, ssm_state_indices, None, state_v_first, gate,
+                                cu_seqlens)
+    from .triton_kernels import kda_chunk_pool_triton
+
+    return kda_chunk_pool_triton(q, k, v, g, beta, scale, pool, ssm_state_indices, state_v_first, gate=gate,
+                                 cu_seqlens=cu_seqlens)
 
 
 # fla's q/k l2 norm (use_qk_l2norm_in_kernel) and beta sigmoid

@@ -243,7 +243,7 @@ def _args(seed=11):
     (dict(cu_seqlens=torch.tensor([0, 2, 6]), cu_seqlens_cpu=torch.tensor([0, 6])), ValueError,
      "cu_seqlens_cpu must be cu_seqlens"),
     (dict(cu_seqlens_cpu=torch.tensor([0, 6])), ValueError, "without cu_seqlens"),
-    (dict(ssm_state_indices=torch.tensor([0])), NotImplementedError, "state pool"),
+    (dict(ssm_state_indices=torch.tensor([0])), ValueError, "needs the state pool"),  # tests/test_pool.py
 ])
 def test_chunk_kda_refuses(kwargs, error, match):
     args, _ = _args()

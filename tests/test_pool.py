@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from kda_op import fused_recurrent_kda
+from kda_op import chunk_kda, fused_recurrent_kda
 from naive import naive_kda
 
 FP64 = dict(rtol=1e-10, atol=1e-12)
@@ -80,11 +80,12 @@ def _oracle(x, cu, pool, idx, nat=None, v_first=False):
     return o, pool
 
 
-def _step(x, cu, pool, idx, nat=None, v_first=False, **kw):
+def _step(x, cu, pool, idx, nat=None, v_first=False, fn=fused_recurrent_kda, **kw):
+    if nat is not None:
+        kw["num_accepted_tokens"] = nat
     with torch.no_grad():
-        return fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool,
-                                   ssm_state_indices=idx, num_accepted_tokens=nat, inplace_final_state=True,
-                                   cu_seqlens=cu, state_v_first=v_first, **kw)
+        return fn(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, ssm_state_indices=idx,
+                  inplace_final_state=True, cu_seqlens=cu, state_v_first=v_first, **kw)
 
 
 CASES = [
@@ -94,11 +95,14 @@ CASES = [
     ([3, 3], False, [[0, 1, 2], [5, -1, 6]], [2, 1]),         # speculative: start from the last accepted
     ([2, 4, 1], True, [[1, 3, -1, -1], [4, 0, 6, 7], [-1, 2, 5, 8]], [1, 3, 2]),
 ]
+# chunk_kda (prefill): one slot per sequence, sequences across chunk boundaries
+CHUNK_CASES = [CASES[0], CASES[1], ([70, 1, 130, 0], True, [9, 0, -1, 5], None), ([67, 67], False, [3, 8], None)]
 
 
 @pytest.mark.parametrize("v_first", [False, True])
-@pytest.mark.parametrize("lengths,packed,slots,nat", CASES)
-def test_pool_matches_each_sequence_alone(lengths, packed, slots, nat, v_first):
+@pytest.mark.parametrize("fn,lengths,packed,slots,nat", [(fused_recurrent_kda, *c) for c in CASES]
+                         + [(chunk_kda, *c) for c in CHUNK_CASES])
+def test_pool_matches_each_sequence_alone(fn, lengths, packed, slots, nat, v_first):
     H, G, K, V, S = 2, 2, 8, 6, 10
     x, cu = _inputs(lengths, H, G, K, V, torch.float64, seed=len(lengths) * 7 + packed, packed=packed)
     shape = (S, H * G, V, K) if v_first else (S, H * G, K, V)
@@ -107,7 +111,7 @@ def test_pool_matches_each_sequence_alone(lengths, packed, slots, nat, v_first):
     nat_t = None if nat is None else torch.tensor(nat)
     want_o, want_pool = _oracle(x, cu, pool, idx, nat_t, v_first)
     before = pool.clone()
-    o, returned = _step(x, cu, pool, idx, nat_t, v_first)
+    o, returned = _step(x, cu, pool, idx, nat_t, v_first, fn=fn)
     assert returned is pool  # updated in place
     torch.testing.assert_close(o, want_o, **FP64)
     torch.testing.assert_close(pool, want_pool, **FP64)
@@ -151,6 +155,38 @@ def test_triton_pool_kernel_matches_the_reference(lengths, packed, slots, nat, v
             assert torch.equal(got_pool[s].cpu(), pool[s]), s
 
 
+@pytest.mark.skipif(not TRITON_HERE, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("v_first", [False, True])
+@pytest.mark.parametrize("lengths,packed,slots,nat", CHUNK_CASES[1:])
+def test_triton_chunked_pool_matches_the_reference(lengths, packed, slots, nat, v_first):
+    """The chunked kernels with the scan reading and writing the pool (state_fwd.py,
+    output_fwd.py with POOL) against the CPU op, fp32, with the gate."""
+    from kda_op.triton_kernels import kda_chunk_pool_triton
+
+    H, G, K, V, S = 1, 2, 16, 20, 10
+    x, cu = _inputs(lengths, H, G, K, V, torch.float32, seed=len(lengths) + 13, packed=packed)
+    shape = (S, H * G, V, K) if v_first else (S, H * G, K, V)
+    pool = torch.randn(*shape, generator=torch.Generator().manual_seed(8))
+    idx = torch.tensor(slots)
+    A_log = torch.randn(H * G, generator=torch.Generator().manual_seed(9)) * 0.5
+    dt_bias = torch.randn(H * G * K, generator=torch.Generator().manual_seed(10)) * 0.5
+    want_pool = pool.clone()
+    want_o = torch.ops.kda_op.chunk_kda_pool_(x["q"], x["k"], x["v"], x["g"], x["beta"], None, want_pool, idx,
+                                              v_first, A_log, dt_bias, True, None, cu)
+    dev = {n: t.to(DEVICE) for n, t in x.items()}
+    got_pool = pool.to(DEVICE)
+    got_o = kda_chunk_pool_triton(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], None, got_pool,
+                                  idx.to(DEVICE), v_first, gate=(A_log.to(DEVICE), dt_bias.to(DEVICE), None),
+                                  cu_seqlens=None if cu is None else cu.to(DEVICE))
+    # fp32 on the GPU: 3xTF32 dots, the chunked form's summation order
+    torch.testing.assert_close(got_o.cpu(), want_o, rtol=2e-4, atol=2e-5)
+    torch.testing.assert_close(got_pool.cpu(), want_pool, rtol=2e-4, atol=2e-5)
+    written = set(s for s in idx.tolist() if s >= 0)
+    for s in range(S):
+        if s not in written:
+            assert torch.equal(got_pool[s].cpu(), pool[s]), s
+
+
 def test_pool_with_fla_options_and_read_only_pool():
     """The call-surface options work on the pool (l2norm, gate, beta sigmoid); with
     inplace_final_state=False (1-D slots) the pool is only read and the final
@@ -178,7 +214,7 @@ def test_pool_with_fla_options_and_read_only_pool():
     torch.testing.assert_close(pool[idx], finals_plain, **FP64)
 
 
-def test_pool_op_passes_opcheck():
+def test_pool_ops_pass_opcheck():
     H, G, K, V, S = 1, 2, 8, 8, 10
     for lengths, packed, slots, nat in CASES[1:3]:
         x, cu = _inputs(lengths, H, G, K, V, torch.float64, seed=31, packed=packed)
@@ -186,6 +222,9 @@ def test_pool_op_passes_opcheck():
         args = (x["q"], x["k"], x["v"], x["g"], x["beta"], None, pool, torch.tensor(slots),
                 None if nat is None else torch.tensor(nat), False, None, None, False, None, cu)
         torch.library.opcheck(torch.ops.kda_op.fused_recurrent_kda_pool_.default, args)
+        if nat is None:
+            chunk_args = args[:8] + args[9:]  # no num_accepted_tokens
+            torch.library.opcheck(torch.ops.kda_op.chunk_kda_pool_.default, chunk_args)
 
 
 def test_pool_step_compiles_fullgraph_and_export_records_the_write():
@@ -265,6 +304,17 @@ def test_pool_bad_input_is_refused_and_no_slot_changes(case):
     before = pool.clone()
     with torch.no_grad(), pytest.raises(error, match=match):
         fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **{**good, **change})
+    assert torch.equal(pool, before)
+
+
+def test_chunk_kda_pool_takes_one_slot_per_sequence():
+    x, pool, good, _ = _bad_calls()
+    before = pool.clone()
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="fused_recurrent_kda's"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                  **{**good, "ssm_state_indices": torch.tensor([[1, 2], [3, 4]])})
+    with torch.no_grad(), pytest.raises(ValueError, match="must not share a slot"):
+        chunk_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], **{**good, "ssm_state_indices": torch.tensor([2, 2])})
     assert torch.equal(pool, before)
 
 

@@ -1,6 +1,6 @@
 """Fake kernels registered on ``kda_op::chunk_kda_fwd``, ``kda_op::chunk_kda_bwd``,
-``kda_op::fused_recurrent_kda_fwd``, ``kda_op::fused_recurrent_kda_pool_``, ``kda_op::kda_prep_fwd``
-and ``kda_op::kda_prep_bwd``.
+``kda_op::fused_recurrent_kda_fwd``, ``kda_op::fused_recurrent_kda_pool_``, ``kda_op::chunk_kda_pool_``,
+``kda_op::kda_prep_fwd`` and ``kda_op::kda_prep_bwd``.
 
 Every real kernel returns fresh contiguous tensors, so these return
 ``new_empty`` tensors of the same shapes and dtypes.
@@ -166,4 +166,24 @@ def fused_recurrent_kda_pool_fake(
     cu_seqlens: Optional[Tensor] = None,
 ) -> Tensor:
     # o only: the pool is written in place (declared in the schema)
+    return v.new_empty(v.shape)
+
+
+@torch.library.register_fake("kda_op::chunk_kda_pool_")
+def chunk_kda_pool_fake(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: Optional[float],
+    pool: Tensor,
+    ssm_state_indices: Tensor,
+    state_v_first: bool = False,
+    A_log: Optional[Tensor] = None,
+    dt_bias: Optional[Tensor] = None,
+    use_gate: bool = False,
+    lower_bound: Optional[float] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tensor:
     return v.new_empty(v.shape)

@@ -28,6 +28,7 @@ host      fwd.py         allocation and launches of the chunked forward (kda_fwd
 
 from .bwd import kda_bwd_triton
 from .decode import kda_recurrent_fwd_triton, kda_recurrent_pool_triton
-from .fwd import kda_fwd_triton
+from .fwd import kda_chunk_pool_triton, kda_fwd_triton
 
-__all__ = ["kda_fwd_triton", "kda_bwd_triton", "kda_recurrent_fwd_triton", "kda_recurrent_pool_triton"]
+__all__ = ["kda_fwd_triton", "kda_bwd_triton", "kda_recurrent_fwd_triton", "kda_recurrent_pool_triton",
+           "kda_chunk_pool_triton"]

@@ -151,15 +151,17 @@ def kda_fwd_triton(
 
 
 def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Tensor, ht: Tensor,
-                    s: dict, prec: str, traced: bool) -> None:
+                    s: dict, prec: str, traced: bool, slots: Optional[Tensor] = None, v_first: bool = False) -> None:
     """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht;
-    for packed sequences, zeros into the chunk-state slots past the last one's."""
+    for packed sequences, zeros into the chunk-state slots past the last one's.
+    ``slots``: h0 and ht are one state pool, read and written at those slots."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
         x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, *s["VL_SEQ"], T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
+        s["H"], HV, ht if slots is None else slots,
+        K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
-        IS_VARLEN=s["IS_VARLEN"],
+        IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first,
         num_warps=S.SCAN_FWD_WARPS or S.SCAN_WARPS, num_stages=s["SCAN_FWD_STAGES"],
     )
     if s["IS_VARLEN"]:
@@ -169,16 +171,51 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
         )
 
 
-def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, prec: str, traced: bool) -> None:
-    """Stage 3: the output (output_fwd.py) into o."""
+def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, prec: str, traced: bool,
+                slots: Optional[Tensor] = None) -> None:
+    """Stage 3: the output (output_fwd.py) into o; ``slots``: zeros for the
+    sequences whose pool slot is negative (padding)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     bv_out = S.BV_OUTPUT or s["BV"]
     _kernel(kda_output_fwd_kernel, traced)[(triton.cdiv(V, bv_out), NC, B * HV)](
-        x["qg"], x["aqk"], up, chunk_states, o, *s["VL_CHUNK"], T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
+        x["qg"], x["aqk"], up, chunk_states, o, *s["VL_CHUNK"], T, NC, s["H"], HV, o if slots is None else slots,
+        K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
         DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
+        POOL=slots is not None,
         num_warps=S.OUTPUT_WARPS,
     )
+
+
+def kda_chunk_pool_triton(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float], pool: Tensor,
+    ssm_state_indices: Tensor, state_v_first: bool = False, gate: Optional[tuple] = None,
+    cu_seqlens: Optional[Tensor] = None,
+) -> Tensor:
+    """``kda_op::chunk_kda_pool_`` on the chunked kernels: ``o``, each sequence's
+    initial state read from its slot of ``pool`` (contiguous, fp32) by the scan and
+    its final state written back there, in place: no gather or scatter around the
+    kernels. A negative slot: a padding sequence (zero state, zero output, nothing
+    written)."""
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    s = _sizes(q, v, cu_seqlens=cu_seqlens)
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    scale = K**-0.5 if scale is None else float(scale)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    slots = ssm_state_indices.contiguous()
+    chunk_states = torch.empty(B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    if s["NSEQ"] * HV == 0:
+        return o
+    prec = _dot_precision(q.dtype)
+    if NC > 0 and T > 0:
+        x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, gate=gate)
+    else:  # T == 0: the scan only passes the initial states through
+        x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
+    up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
+    _state_scan_fwd(x, pool, up, chunk_states, pool, s, prec, traced=False, slots=slots, v_first=state_v_first)
+    if NC > 0 and T > 0:
+        _output_fwd(x, up, chunk_states, o, s, prec, traced=False, slots=slots)
+    return o
 
 
 def kda_fwd_triton_export(

@@ -19,11 +19,12 @@ def kda_output_fwd_kernel(
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
+    slots,  # POOL: each sequence's pool slot; a negative one (padding) outputs zeros
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False,
 ):
     # BF16_DOTS (bf16 Qg only): S0, A_qk and U' enter the dots rounded to bf16 (fp32
     # accumulation), the precision of the bf16 output they make.
@@ -59,4 +60,6 @@ def kda_output_fwd_kernel(
     b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     b_o = dot(b_qg, b_s0, BF16_DOTS, DOT_PREC, INTERPRET)
     b_o += dot(b_a, b_up, BF16_DOTS, DOT_PREC, INTERPRET)
+    if POOL:
+        b_o = tl.where(tl.load(slots + i_b) >= 0, b_o, 0.0)
     tl.store(o + row_v, as_stored(b_o, o, INTERPRET).to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])

@@ -22,12 +22,17 @@ def kda_state_fwd_kernel(
     cu_seqlens, chunk_offsets,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
+    slots,  # POOL: each sequence's slot in the pool that h0 and ht both are (a stand-in otherwise)
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, V_FIRST: tl.constexpr = False,
 ):
+    # POOL: prefill into a state pool [num_slots, HV, K, V] ([.., V, K] with
+    # V_FIRST) in place: sequence i_b starts from slot slots[i_b] and leaves its
+    # final state there; a negative slot reads zeros and writes nothing. Each
+    # program reads its state tile whole before it writes it back.
     # BF16_DOTS (bf16 W and Kr only): the state and U' enter the dots rounded to
     # bf16 (fp32 accumulation, S itself carried in fp32): half the MMA steps of TF32
     # on the scan's serial path and no widening of W and Kr.
@@ -42,8 +47,15 @@ def kda_state_fwd_kernel(
     u += (bos * HV + i_hv) * V
     up += (bos * HV + i_hv) * V
     gam += (bos_pad * HV + i_hv) * K
-    h0 += (i_b * HV + i_hv) * K * V
-    ht += (i_b * HV + i_hv) * K * V
+    if POOL:
+        slot = tl.load(slots + i_b).to(tl.int64)
+        live = slot >= 0
+        h0 += (tl.maximum(slot, 0) * HV + i_hv) * K * V
+        ht += (tl.maximum(slot, 0) * HV + i_hv) * K * V
+    else:
+        live = True
+        h0 += (i_b * HV + i_hv) * K * V
+        ht += (i_b * HV + i_hv) * K * V
     chunk_states += (s_0 * HV + i_hv) * K * V
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk boundary to the next
 
@@ -53,9 +65,13 @@ def kda_state_fwd_kernel(
     m_v = o_v < V
     m_kv = m_k[:, None] & m_v[None, :]
     state_off = o_k[:, None] * V + o_v[None, :]
+    if V_FIRST:  # the pool's layout (the chunk states stay K-first)
+        ends_off = o_v[None, :] * K + o_k[:, None]
+    else:
+        ends_off = state_off
 
     if HAS_H0:
-        b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
+        b_s = tl.load(h0 + ends_off, mask=m_kv & live, other=0.0).to(tl.float32)
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -76,4 +92,4 @@ def kda_state_fwd_kernel(
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
     tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
-    tl.store(ht + state_off, b_s, mask=m_kv)
+    tl.store(ht + ends_off, b_s, mask=m_kv & live)
