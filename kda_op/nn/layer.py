@@ -18,6 +18,10 @@ from ..api import chunk_kda, fused_recurrent_kda
 #: inputs), conv caches of q [B, H*K, W-1], k [B, H*K, W-1] and v [B, HV*V, W-1];
 #: the conv caches are None when the layer has no short convolutions).
 KDAState = tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]
+#: One layer's states for up to num_slots requests (serving), in the KDAState order:
+#: the recurrent pool [num_slots, HV, K, V] (fp32) and the conv-cache pools
+#: [num_slots, D, W-1] of q, k, v (None without short convolutions).
+KDAPool = tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]
 
 _ACTIVATIONS = ("silu", "swish")
 
@@ -416,6 +420,64 @@ class KimiDeltaAttention(nn.Module):
         if attention_mask is None:
             return self._forward(hidden_states, state, decode, None)
         return self._forward_masked(hidden_states, state, decode, attention_mask)
+
+    def new_pool(self, num_slots: int, device: Optional[torch.device] = None,
+                 dtype: torch.dtype = torch.float32) -> KDAPool:
+        """Zeroed states for ``num_slots`` requests (:data:`KDAPool`); ``dtype``: the
+        conv caches' (the inputs' compute dtype), the recurrent states are fp32."""
+        _check_int("num_slots", num_slots, 1)
+        W = self.conv_size - 1
+        recurrent = torch.zeros(num_slots, self.num_v_heads, self.head_k_dim, self.head_v_dim, device=device)
+        if not self.use_short_conv:
+            return recurrent, None, None, None
+        return (recurrent, torch.zeros(num_slots, self.key_dim, W, device=device, dtype=dtype),
+                torch.zeros(num_slots, self.key_dim, W, device=device, dtype=dtype),
+                torch.zeros(num_slots, self.value_dim, W, device=device, dtype=dtype))
+
+    def forward_pooled(self, hidden_states: Tensor, pool: KDAPool, slots: Tensor, cu_seqlens: Tensor,
+                       decode: bool = False) -> Tensor:
+        """One serving step: N sequences packed along T (``hidden_states`` [1, T,
+        hidden_size], ``cu_seqlens`` [N + 1]: prefill chunks of new requests beside
+        decode tokens of running ones), sequence n continuing the request whose
+        states are in slot ``slots[n]`` (distinct, non-negative) of ``pool``
+        (:meth:`new_pool`). The pool is updated in place: the recurrent states by
+        the kernels themselves (``chunk_kda`` / with ``decode`` ``fused_recurrent_kda``
+        on ``ssm_state_indices``), the conv caches (a few columns a sequence) by
+        ``index_copy_``. Inference only. Returns ``y`` [1, T, hidden_size]."""
+        if hidden_states.dim() != 3 or hidden_states.shape[0] != 1 or hidden_states.shape[-1] != self.hidden_size:
+            raise ValueError(f"hidden_states must be [1, T, {self.hidden_size}] (packed sequences), got shape "
+                             f"{tuple(hidden_states.shape)}")
+        if not (isinstance(pool, (tuple, list)) and len(pool) == 4):
+            raise TypeError("pool must be a KDAPool: (recurrent, q conv cache, k conv cache, v conv cache)")
+        _check_flag("decode", decode)
+        x = hidden_states
+        T = x.shape[1]
+        H, K, HV, V = self.num_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim
+        recurrent, q_pool, k_pool, v_pool = pool
+        slots = slots.to(torch.int64)
+        if self.use_short_conv:
+            convs = []
+            for conv, proj, cache in ((self.q_conv1d, self.q_proj, q_pool), (self.k_conv1d, self.k_proj, k_pool),
+                                      (self.v_conv1d, self.v_proj, v_pool)):
+                y, new_cache = conv(proj(x), cache.index_select(0, slots), cu_seqlens)
+                cache.index_copy_(0, slots, new_cache.to(cache.dtype))
+                convs.append(y)
+            q, k, v = convs
+        else:
+            q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
+        q, k, v = q.view(1, T, H, K), k.view(1, T, H, K), v.view(1, T, HV, V)
+        g = self.f_proj(x).view(1, T, HV, K)
+        beta = self.b_proj(x)
+        options = dict(initial_state=recurrent, ssm_state_indices=slots, inplace_final_state=True,
+                       use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                       allow_neg_eigval=self.allow_neg_eigval, lower_bound=self.lower_bound, cu_seqlens=cu_seqlens,
+                       A_log=self.A_log, dt_bias=self.dt_bias)
+        if decode:
+            o, _ = fused_recurrent_kda(q, k, v, g, beta, **options)
+        else:
+            o, _ = chunk_kda(q, k, v, g, beta, safe_gate=self.safe_gate, **options)
+        o = self.o_norm(o, self.g_proj(x).view(1, T, HV, V))
+        return self.o_proj(o.reshape(1, T, HV * V))
 
     def _forward_masked(self, x: Tensor, state: Optional[KDAState], decode: bool,
                         attention_mask: Tensor) -> tuple[Tensor, KDAState]:

@@ -7,7 +7,9 @@ from typing import Optional
 from torch import Tensor, nn
 import torch.nn.functional as F
 
-from .layer import KDAState, KimiDeltaAttention
+import torch
+
+from .layer import KDAPool, KDAState, KimiDeltaAttention
 
 
 class KDABlock(nn.Module):
@@ -25,9 +27,17 @@ class KDABlock(nn.Module):
 
     def forward(self, x: Tensor, state: Optional[KDAState] = None, decode: bool = False) -> tuple[Tensor, KDAState]:
         h, state = self.attn(self.attn_norm(x), state, decode)
-        x = x + h
+        return self._mlp(x + h), state
+
+    def forward_pooled(self, x: Tensor, pool: KDAPool, slots: Tensor, cu_seqlens: Tensor,
+                       decode: bool = False) -> Tensor:
+        """:meth:`forward` for a serving step on a state pool
+        (:meth:`KimiDeltaAttention.forward_pooled`)."""
+        return self._mlp(x + self.attn.forward_pooled(self.attn_norm(x), pool, slots, cu_seqlens, decode))
+
+    def _mlp(self, x: Tensor) -> Tensor:
         a, b = self.up(self.mlp_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(a) * b), state
+        return x + self.down(F.silu(a) * b)
 
 
 class KDALanguageModel(nn.Module):
@@ -68,3 +78,21 @@ class KDALanguageModel(nn.Module):
             x, state = block(x, None if states is None else states[i], decode)
             new_states.append(state)
         return self.head(self.norm(x)), new_states
+
+    def new_pools(self, num_slots: int, device: Optional[torch.device] = None) -> list[KDAPool]:
+        """Zeroed serving states for ``num_slots`` requests, one :data:`KDAPool` per layer."""
+        dtype = self.embed.weight.dtype
+        return [block.attn.new_pool(num_slots, device, torch.promote_types(dtype, torch.float32))
+                for block in self.blocks]
+
+    def forward_pooled(self, input_ids: Tensor, pools: list[KDAPool], slots: Tensor, cu_seqlens: Tensor,
+                       decode: bool = False) -> Tensor:
+        """One serving step: ``input_ids`` [1, T] holding N packed sequences
+        (``cu_seqlens`` [N + 1]), sequence n continuing the request in slot
+        ``slots[n]`` of ``pools`` (:meth:`new_pools`), updated in place; ``decode``:
+        every sequence is one token (the recurrent kernel). Returns the logits
+        [1, T, vocab]. Inference only (run it under ``torch.no_grad()``)."""
+        x = self.embed(input_ids)
+        for block, pool in zip(self.blocks, pools):
+            x = block.forward_pooled(x, pool, slots, cu_seqlens, decode)
+        return self.head(self.norm(x))
