@@ -54,3 +54,28 @@ def test_backward_memory_does_not_grow_with_a_state_per_token():
     # state per token, and its growth exceeds the bound.
     naive_growth = _backward_peak(T2, chunk_size=T2) - _backward_peak(T1, chunk_size=T1)
     assert naive_growth > 2 * bound, naive_growth
+
+
+def test_triton_backward_holds_one_stage_at_a_time(capsys):
+    """profiling/memory_budget.py (the Triton host code's buffers under the
+    interpreter, scaled to B8-T8192-H16): the backward drops each buffer after its
+    last reader, so the peak (at the backward through the states and W) holds
+    neither dA_kk / dA_qk nor dv, dg, dq, dk; 8878 bytes per token and head at K =
+    V = 128, bf16 (10672 when everything lived to the end)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the budget runs the kernels under the interpreter")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "profiling"))
+    import memory_budget
+
+    assert memory_budget.main(["--T", "64"]) == 0
+    out = capsys.readouterr().out
+    per_token = int(out.split(" bytes per token and head")[0].rsplit("(", 1)[1])
+    assert per_token <= 9000, out
+    for late in ("dakk =", "daqk =", "dv =", "dg =", "dq =", "dk ="):
+        assert late not in out, (late, out)

@@ -97,15 +97,13 @@ def kda_bwd_triton(
             num_warps=S.SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
 
+    # Each buffer is allocated just before the stage that writes it first and
+    # dropped after the last stage that reads it, so that the peak holds only what
+    # one stage needs (the caching allocator reuses the memory in stream order).
     dq_e = torch.empty(B, T, HV, K, **f32)
     dk_e = torch.empty(B, T, HV, K, **f32)
     dgam = torch.empty(B, T, HV, K, **f32)
     dgam_last = torch.empty(B, NC, HV, K, **f32)
-    dakk = torch.empty(B, T, HV, BT, **f32)
-    daqk = torch.empty(B, T, HV, BT, **f32)
-    dv = torch.empty_like(v)
-    dg = torch.empty_like(g)
-    dbeta = torch.empty_like(beta)
     NS = triton.cdiv(K, S.BKS)
     dtm_part = torch.empty(B, NC, HV, NS, BT, BT, **f32)
     dbeta_part = torch.empty(B, NC, HV, NS, BT, **f32)
@@ -118,6 +116,11 @@ def kda_bwd_triton(
             # one stage: its V loop is short, and prefetching it cost spills at 4 warps
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
         )
+    del dchunk_states
+    dakk = torch.empty(B, T, HV, BT, **f32)
+    daqk = torch.empty(B, T, HV, BT, **f32)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty_like(beta)
     with record_function("kda_op::bwd::intra"):
         kda_intra_bwd_kernel[(NC, B * HV)](
             v, beta, akk, tm, up, dup, do, dtm_part, dbeta_part,
@@ -126,6 +129,8 @@ def kda_bwd_triton(
             H=H, HV=HV, V=V, BT=BT, BV=s["BV"], NS=NS,
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_WARPS,
         )
+    del dup, up, dtm_part, dbeta_part
+    dg = torch.empty_like(g)
     with record_function("kda_op::bwd::intra_through_a"):
         common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
         ga = _gate_args(gate, g)
@@ -144,6 +149,7 @@ def kda_bwd_triton(
         )
         dA_log = empty() if A_log is None else dla_part.sum((0, 1, 3)).to(A_log.dtype)
         ddt_bias = empty() if dt_bias is None else ddt_part.sum((0, 1)).reshape(HV * K).to(dt_bias.dtype)
+    del dakk, daqk, dgam, dgam_last, gate_parts, ddt_part, dla_part, args
     with record_function("kda_op::bwd::gva_reduce"):
         # GVA: sum the G value heads of each key head, scale dq, cast: one pass.
         dq = torch.empty_like(q)
