@@ -51,3 +51,13 @@ def interpreter_numpy_problem() -> str | None:
         return (f"Triton {triton.__version__}'s interpreter needs numpy < 2.4 (installed: {numpy.__version__}); "
                 f"install numpy<2.4 or Triton >= 3.9 (pyproject.toml, .ci/envs/)")
     return None
+
+
+def all_gather_autograd():
+    """torch's differentiable all-gather of functional collectives:
+    ``all_gather_single_autograd`` where it exists (torch 2.13, which deprecates the
+    other name), else ``all_gather_tensor_autograd`` (the name in older torch;
+    torch 2.11 on the H200 machine has not been checked for the newer one)."""
+    import torch.distributed._functional_collectives as fc
+
+    return getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd

@@ -509,10 +509,22 @@ class KimiDeltaAttention(nn.Module):
         y = torch.where(flat[:, None], y, 0).view(B, T, D)  # fla's repad leaves 0 at padding
         return y, tuple(None if s is None else s[:B] for s in new_state)
 
+    def set_context_parallel(self, group: Optional[Any]) -> None:
+        """Run later training forwards context-parallel over ``group`` (a
+        ``torch.distributed`` process group; None: off): each rank passes its
+        contiguous slice of the sequence (at least ``conv_size - 1`` tokens, ranks in
+        order); the attention runs through :func:`kda_op.distributed.chunk_kda_cp`
+        and each short convolution reads the previous rank's last ``conv_size - 1``
+        inputs (gathered, differentiable). The parameters' gradients are then each
+        rank's share: sum them over the ranks (as data parallelism does)."""
+        self.context_parallel_group = group
+
     def _forward(self, x: Tensor, state: Optional[KDAState], decode: bool,
                  cu_seqlens: Optional[Tensor]) -> tuple[Tensor, KDAState]:
         B, T, _ = x.shape
         H, K, HV, V = self.num_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim
+        if getattr(self, "context_parallel_group", None) is not None and not decode:
+            return self._forward_context_parallel(x, state, cu_seqlens)
         recurrent, q_cache, k_cache, v_cache = state if state is not None else (None, None, None, None)
 
         if self.use_short_conv:
@@ -540,3 +552,46 @@ class KimiDeltaAttention(nn.Module):
 
         o = self.o_norm(o, self.g_proj(x).view(B, T, HV, V))
         return self.o_proj(o.reshape(B, T, HV * V)), (recurrent, q_cache, k_cache, v_cache)
+
+    def _forward_context_parallel(self, x: Tensor, state: Optional[KDAState],
+                                  cu_seqlens: Optional[Tensor]) -> tuple[Tensor, KDAState]:
+        """:meth:`set_context_parallel`'s forward of this rank's slice."""
+        import torch.distributed as dist
+
+        from ..distributed import _all_gather, chunk_kda_cp
+
+        group = self.context_parallel_group
+        if state is not None or cu_seqlens is not None:
+            raise NotImplementedError("the context-parallel forward starts from a zero state, without packed "
+                                      "sequences (state and attention_mask are not supported there yet)")
+        B, T, _ = x.shape
+        H, K, HV, V = self.num_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim
+        W = self.conv_size - 1
+        rank = dist.get_rank(group)
+        if self.use_short_conv:
+            if T < W:
+                raise ValueError(f"each rank's slice needs at least conv_size - 1 = {W} tokens, got {T}")
+            convs = ((self.q_conv1d, self.q_proj), (self.k_conv1d, self.k_proj), (self.v_conv1d, self.v_proj))
+            us = [proj(x) for _, proj in convs]
+            # every rank's last W inputs of q, k and v in one all-gather (one collective
+            # each way); this slice's windows read the previous rank's. Rank 0 takes
+            # them times 0 so that its graph, and so its backward's collectives, are
+            # those of every other rank.
+            gathered = _all_gather(torch.cat([u[:, T - W:] for u in us], dim=-1).transpose(1, 2), group)
+            cache_all = gathered[max(rank - 1, 0)] * float(rank > 0)  # [B, Dq + Dk + Dv, W]
+            sizes = [u.shape[-1] for u in us]
+            caches, tails = cache_all.split(sizes, dim=1), list(gathered[-1].split(sizes, dim=1))
+            q, k, v = (conv(u, cache)[0] for (conv, _), u, cache in zip(convs, us, caches))
+        else:
+            q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
+            tails = [None, None, None]
+        q, k, v = q.view(B, T, H, K), k.view(B, T, H, K), v.view(B, T, HV, V)
+        g = self.f_proj(x).view(B, T, HV, K)
+        beta = self.b_proj(x)
+        o, recurrent = chunk_kda_cp(q, k, v, g, beta, group=group, output_final_state=True,
+                                    use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                                    use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
+                                    lower_bound=self.lower_bound, safe_gate=self.safe_gate, A_log=self.A_log,
+                                    dt_bias=self.dt_bias)
+        o = self.o_norm(o, self.g_proj(x).view(B, T, HV, V))
+        return self.o_proj(o.reshape(B, T, HV * V)), (recurrent, *tails)

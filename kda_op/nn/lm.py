@@ -79,6 +79,13 @@ class KDALanguageModel(nn.Module):
             new_states.append(state)
         return self.head(self.norm(x)), new_states
 
+    def set_context_parallel(self, group) -> None:
+        """Context parallelism over ``group`` for training forwards (None: off); see
+        :meth:`KimiDeltaAttention.set_context_parallel`. Each rank then passes its
+        slice of the sequence; sum the parameters' gradients over the ranks."""
+        for block in self.blocks:
+            block.attn.set_context_parallel(group)
+
     def new_pools(self, num_slots: int, device: Optional[torch.device] = None) -> list[KDAPool]:
         """Zeroed serving states for ``num_slots`` requests, one :data:`KDAPool` per layer."""
         dtype = self.embed.weight.dtype

@@ -78,11 +78,15 @@ def kda_recurrent_fwd_kernel(
         else:
             slot0 = tl.load(slots + i_b).to(tl.int64)
         live = slot0 >= 0
+        # the state tile's mask with it, as a block (Triton >= 3.7's interpreter
+        # refuses a block & scalar mask)
+        m_live = m_kv & ((slot0 + 0 * o_k) >= 0)[:, None]
         h0 += tl.maximum(slot0, 0) * slot_size
     else:
         h0 += (i_b * HV + i_hv) * K * V
         ht += (i_b * HV + i_hv) * K * V
         live = True
+        m_live = m_kv
 
     # The hints as policy names, "" being Triton's default (no hint).
     if STREAM_HINTS:
@@ -99,7 +103,7 @@ def kda_recurrent_fwd_kernel(
         once: tl.constexpr = ""
 
     if HAS_H0:
-        b_s = tl.load(h0 + state_off, mask=m_kv & live, other=0.0, eviction_policy=state_load).to(tl.float32)
+        b_s = tl.load(h0 + state_off, mask=m_live, other=0.0, eviction_policy=state_load).to(tl.float32)
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -127,13 +131,13 @@ def kda_recurrent_fwd_kernel(
             b_o = tl.where(live, b_o, 0.0)  # a padding sequence outputs zeros
             if SLOTS_2D:
                 slot_t = tl.load(slots + i_b * slots_stride + t).to(tl.int64)
-                tl.store(ht + tl.maximum(slot_t, 0) * slot_size + state_off, b_s, mask=m_kv & live & (slot_t >= 0),
-                         cache_modifier=state_store)
+                tl.store(ht + tl.maximum(slot_t, 0) * slot_size + state_off, b_s,
+                         mask=m_live & ((slot_t + 0 * o_k) >= 0)[:, None], cache_modifier=state_store)
         tl.store(o + row_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v, eviction_policy=once)
 
     if POOL:
         if not SLOTS_2D:
-            tl.store(ht + tl.maximum(slot0, 0) * slot_size + state_off, b_s, mask=m_kv & live & (T > 0),
+            tl.store(ht + tl.maximum(slot0, 0) * slot_size + state_off, b_s, mask=m_live & ((T + 0 * o_k) > 0)[:, None],
                      cache_modifier=state_store)
     else:
         tl.store(ht + state_off, b_s, mask=m_kv, cache_modifier=state_store)

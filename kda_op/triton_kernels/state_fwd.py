@@ -49,11 +49,9 @@ def kda_state_fwd_kernel(
     gam += (bos_pad * HV + i_hv) * K
     if POOL:
         slot = tl.load(slots + i_b).to(tl.int64)
-        live = slot >= 0
         h0 += (tl.maximum(slot, 0) * HV + i_hv) * K * V
         ht += (tl.maximum(slot, 0) * HV + i_hv) * K * V
     else:
-        live = True
         h0 += (i_b * HV + i_hv) * K * V
         ht += (i_b * HV + i_hv) * K * V
     chunk_states += (s_0 * HV + i_hv) * K * V
@@ -69,9 +67,13 @@ def kda_state_fwd_kernel(
         ends_off = o_v[None, :] * K + o_k[:, None]
     else:
         ends_off = state_off
+    if POOL:  # a negative slot: read zeros, write nothing (a block mask: Triton >= 3.7's interpreter)
+        m_ends = m_kv & ((slot + 0 * o_k) >= 0)[:, None]
+    else:
+        m_ends = m_kv
 
     if HAS_H0:
-        b_s = tl.load(h0 + ends_off, mask=m_kv & live, other=0.0).to(tl.float32)
+        b_s = tl.load(h0 + ends_off, mask=m_ends, other=0.0).to(tl.float32)
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
@@ -92,4 +94,4 @@ def kda_state_fwd_kernel(
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
     tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
-    tl.store(ht + ends_off, b_s, mask=m_kv & live)
+    tl.store(ht + ends_off, b_s, mask=m_ends)
