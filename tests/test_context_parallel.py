@@ -93,12 +93,12 @@ def _worker(rank, world, port, cuts, options, compiled, errors):
         raise SystemExit(1) from e
 
 
-def _run(cuts, options=False, compiled=False):
-    world = len(cuts) - 1
+def _spawn(target, world, *args):
+    """``target(rank, world, port, *args, errors)`` in ``world`` fresh processes; fails
+    with every rank's traceback, or the exit codes, unless all of them passed."""
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_worker, args=(r, world, PORT[0], cuts, options,
-                                               compiled, errors)) for r in range(world)]
+    procs = [ctx.Process(target=target, args=(r, world, PORT[0], *args, errors)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -107,6 +107,10 @@ def _run(cuts, options=False, compiled=False):
     while not errors.empty():
         msgs.append(errors.get())
     assert not msgs and all(p.exitcode == 0 for p in procs), "\n".join(msgs) or [p.exitcode for p in procs]
+
+
+def _run(cuts, options=False, compiled=False):
+    _spawn(_worker, len(cuts) - 1, cuts, options, compiled)
 
 
 PORT = [0]
@@ -176,14 +180,4 @@ def test_context_parallel_training_step_of_the_model_equals_one_process(world):
     previous rank's last inputs, the layer's in-kernel options) over 2 and 3 ranks,
     fp64: the loss and every parameter's gradient (summed over the ranks) equal the
     whole sequence's on one process."""
-    ctx = mp.get_context("spawn")
-    errors = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_model_worker, args=(r, world, PORT[0], errors)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=600)
-    msgs = []
-    while not errors.empty():
-        msgs.append(errors.get())
-    assert not msgs and all(p.exitcode == 0 for p in procs), "\n".join(msgs) or [p.exitcode for p in procs]
+    _spawn(_model_worker, world)
