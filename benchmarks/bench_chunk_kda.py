@@ -28,6 +28,9 @@ import triton.testing
 SHAPES = [  # name, B, T, H, HV
     ("B1-T8192-H16", 1, 8192, 16, 16),
     ("B2-T8192-H8-HV32", 2, 8192, 8, 32),
+    # the speed issue's: a GPU-bound batch, and a long single sequence
+    ("B8-T8192-H16", 8, 8192, 16, 16),
+    ("B1-T32768-H16", 1, 32768, 16, 16),
 ]
 K = V = 128
 
@@ -82,6 +85,17 @@ def varlen_lengths(name: str) -> list:
         return head + [8192 - sum(head) - 700, 700]
     gen = torch.Generator().manual_seed(1)
     return torch.randint(1, 65, (2048,), generator=gen).tolist()
+
+
+def peak_step_bytes(step) -> int:
+    """Peak device memory of one call of ``step`` above what was allocated before it
+    (the inputs, dO): torch.cuda.max_memory_allocated, the caching allocator's view."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def bench(fn, grad_to_none=None):
@@ -183,6 +197,7 @@ def main() -> int:
                 kwargs.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
         outs = {}
         steps = {}
+        peaks = {}
         for label, fn in impls.items():
             print(f"{name}: {label}: first call (compiles; fla also autotunes)", flush=True)
 
@@ -201,6 +216,11 @@ def main() -> int:
             fwd_bwd()
             outs[label] = (o, ht)
             steps[label] = (fwd, fwd_bwd)
+            for x in inputs:
+                x.grad = None
+            peaks[label] = peak_step_bytes(fwd_bwd)
+            for x in inputs:
+                x.grad = None
         # Rounds alternate between the implementations, so that a drift of the GPU
         # (clocks, temperature) during the run touches both; the table takes the
         # median of the rounds' medians, the log shows every round.
@@ -218,12 +238,14 @@ def main() -> int:
         fla_fwd, fla_fb = res.get("fla", (nan, nan))
         err_o = rel_err(outs["ours"][0], outs["fla"][0]) if "fla" in outs else nan
         err_h = rel_err(outs["ours"][1], outs["fla"][1]) if "fla" in outs else nan
-        rows.append((name, res["ours"][0], fla_fwd, res["ours"][1], fla_fb, err_o, err_h))
+        fla_peak = peaks.get("fla", float("nan"))
+        rows.append((name, res["ours"][0], fla_fwd, res["ours"][1], fla_fb, err_o, err_h, peaks["ours"], fla_peak))
         for label in impls:
             if label.startswith("ours["):
                 err_o = rel_err(outs[label][0], outs["fla"][0]) if "fla" in outs else nan
                 err_h = rel_err(outs[label][1], outs["fla"][1]) if "fla" in outs else nan
-                rows.append((f"{name} {label}", res[label][0], fla_fwd, res[label][1], fla_fb, err_o, err_h))
+                rows.append((f"{name} {label}", res[label][0], fla_fwd, res[label][1], fla_fb, err_o, err_h,
+                             peaks[label], fla_peak))
         write_table(rows, args, fla_version, csv_rows)  # after every shape: a time limit keeps what ran
         if args.kernels:
             for label, (fwd, fwd_bwd) in steps.items():
@@ -286,10 +308,12 @@ def launch_settings(variant: str):
 
 def write_table(rows, args, fla_version, csv_rows) -> None:
     header = ("| shape | fwd ours ms | fwd fla ms | fwd ours/fla | fwd+bwd ours ms | fwd+bwd fla ms "
-              "| fwd+bwd ours/fla | rel diff o | rel diff final state |")
-    lines = [header, "|" + "---|" * 9]
-    for name, fo, ff, bo, bf, eo, eh in rows:
-        lines.append(f"| {name} | {fo:.3f} | {ff:.3f} | {fo / ff:.2f} | {bo:.3f} | {bf:.3f} | {bo / bf:.2f} | {eo:.1e} | {eh:.1e} |")
+              "| fwd+bwd ours/fla | rel diff o | rel diff final state | fwd+bwd peak ours GiB | fla GiB | ours/fla |")
+    lines = [header, "|" + "---|" * 12]
+    gib = 2**30
+    for name, fo, ff, bo, bf, eo, eh, po, pf in rows:
+        lines.append(f"| {name} | {fo:.3f} | {ff:.3f} | {fo / ff:.2f} | {bo:.3f} | {bf:.3f} | {bo / bf:.2f} | {eo:.1e} "
+                     f"| {eh:.1e} | {po / gib:.2f} | {pf / gib:.2f} | {po / pf:.2f} |")
     meta = (f"{datetime.date.today().isoformat()}, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
             f"triton {triton.__version__}, fla {fla_version}")
     table = "\n".join(lines)

@@ -223,7 +223,7 @@ sweep)
         -k "${SWEEP_TESTS:-half or strong or trace}" > "$TLOGS/t1.txt" 2>&1
     collect_tests
     step "sequence sweep"
-    timeout "${SWEEP_LIMIT:-150}" python3 benchmarks/bench_chunk_kda.py --shapes B1-T8192-H16 --rounds 1 \
+    timeout "${SWEEP_LIMIT:-150}" python3 benchmarks/bench_chunk_kda.py --shapes B1-T8192-H16 B8-T8192-H16 --rounds 1 \
         --seq-lens ${SEQ_LENS:-2048 4096 8192 16384} --csv "$OUT/results_seq_sweep.csv" >> "$LOG" 2>&1
     python3 profiling/plot_benchmark.py "$OUT/results_seq_sweep.csv" --out "$OUT/benchmark.png" >> "$LOG" 2>&1
     ;;
