@@ -27,6 +27,9 @@
 #     --implementation cp --platform any -d .whl flash-linear-attention==0.6.0 \
 #     fla-core==0.6.0 einops pytest==9.0.3 pluggy iniconfig packaging pygments
 # Time limits (seconds): TEST_LIMIT, KERNELS_LIMIT, BENCH_LIMIT, DECODE_LIMIT, SWEEP_LIMIT.
+# BENCH_SHAPES: the shapes of the runs against fla (default the two standard ones;
+# bench_chunk_kda.py also knows B8-T8192-H16 and B1-T32768-H16, each a first-call
+# autotuning of fla of its own).
 # fla autotunes on first use, for minutes per shape (more than 6 at B2-T8192-H8-HV32)
 # and each lease starts bare. Triton keeps each autotuned kernel's choice as a small
 # *.autotune.json in its cache as soon as that kernel is tuned; every phase packs
@@ -102,14 +105,14 @@ tests)
     ;;
 bench)
     step "ours and fla, standard shapes"
-    timeout "${BENCH_LIMIT:-400}" python3 benchmarks/bench_chunk_kda.py --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
+    timeout "${BENCH_LIMIT:-400}" python3 benchmarks/bench_chunk_kda.py --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32} --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     step "decode"
     timeout "${DECODE_LIMIT:-150}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" \
         --settings "RECURRENT_BV=64" "RECURRENT_BV=128,RECURRENT_WARPS=8" "RECURRENT_WARPS=8" \
         "RECURRENT_STREAM_HINTS=1" >> "$LOG" 2>&1
     if [ -n "${SWEEP:-}" ]; then
         step "sequence sweep"
-        timeout "${SWEEP_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --seq-lens 1024 2048 4096 8192 16384 \
+        timeout "${SWEEP_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --shapes B1-T8192-H16 B8-T8192-H16 --seq-lens 1024 2048 4096 8192 16384 \
             --csv "$OUT/results_seq_sweep.csv" >> "$LOG" 2>&1
         python3 profiling/plot_benchmark.py "$OUT/results_seq_sweep.csv" --out "$OUT/benchmark.png" >> "$LOG" 2>&1
         step "profile"
@@ -123,7 +126,7 @@ flags)
     # layer: the standard shapes; RESULTS_layer.md), then packed sequences (--mode
     # varlen; RESULTS_varlen.md).
     step "ours and fla, layer flags"
-    timeout "${BENCH_LIMIT:-300}" python3 benchmarks/bench_chunk_kda.py --mode layer --out "$OUT/RESULTS_layer.md" \
+    timeout "${BENCH_LIMIT:-300}" python3 benchmarks/bench_chunk_kda.py --mode layer --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32} --out "$OUT/RESULTS_layer.md" \
         >> "$LOG" 2>&1
     step "ours and fla, varlen"
     timeout "${VARLEN_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --mode varlen \
@@ -142,7 +145,7 @@ flags-verify)
     timeout "${VARLEN_LIMIT:-150}" python3 benchmarks/bench_chunk_kda.py --mode varlen --out "$OUT/RESULTS_varlen.md" \
         >> "$LOG" 2>&1
     step "ours alone, standard shapes"
-    timeout "${STANDARD_LIMIT:-60}" python3 benchmarks/bench_chunk_kda.py --impl ours --rounds 2 >> "$LOG" 2>&1
+    timeout "${STANDARD_LIMIT:-60}" python3 benchmarks/bench_chunk_kda.py --impl ours --rounds 2 --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32} >> "$LOG" 2>&1
     ;;
 flags-check)
     # One shorter call after a change to the chunked kernels: their CUDA tests and
@@ -181,7 +184,7 @@ candidates)
     timeout "${KERNELS_LIMIT:-110}" python3 benchmarks/bench_kernels.py --shape "${KERNELS_SHAPE:-B1-T8192-H16}" \
         --settings "" "${CAND[@]}" >> "$LOG" 2>&1
     step "ours (and candidates) against fla"
-    timeout "${BENCH_LIMIT:-280}" python3 benchmarks/bench_chunk_kda.py --variants "${CAND[@]}" \
+    timeout "${BENCH_LIMIT:-280}" python3 benchmarks/bench_chunk_kda.py --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32} --variants "${CAND[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     ;;
 breakdown)
@@ -196,7 +199,7 @@ breakdown)
     done
     read -r -a VARS <<< "${VARIANTS:-}"
     step "ours and fla, kernels by GPU time"
-    timeout "${BENCH_LIMIT:-300}" python3 benchmarks/bench_chunk_kda.py --kernels --variants "${VARS[@]}" \
+    timeout "${BENCH_LIMIT:-300}" python3 benchmarks/bench_chunk_kda.py --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32} --kernels --variants "${VARS[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     collect_tests
     ;;
@@ -207,7 +210,7 @@ verify)
     all_tests  # TEST_LIMIT 300: with the bench and decode limits, 570 s in all
     read -r -a VARS <<< "${VARIANTS:-}"
     step "ours and fla, standard shapes"
-    timeout "${BENCH_LIMIT:-190}" python3 benchmarks/bench_chunk_kda.py --variants "${VARS[@]}" \
+    timeout "${BENCH_LIMIT:-190}" python3 benchmarks/bench_chunk_kda.py --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32} --variants "${VARS[@]}" \
         --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     read -r -a DEC <<< "${DECODE_SETTINGS:-RECURRENT_MAXNREG=128}"
     step "decode"
