@@ -6,6 +6,7 @@
 #   bash benchmarks/run_gpu.sh flags-verify   # every test, then the flags rows below and ours on
 #                                      # the standard shapes (after a kernel change)
 #   bash benchmarks/run_gpu.sh flags-check    # the same, shorter: the chunked kernels' CUDA tests
+#   bash benchmarks/run_gpu.sh cp      # (nvidia-h200-x2) context parallel: cp_demo --check, bench_cp.py
 #   bash benchmarks/run_gpu.sh flags   # ours against fla with fla's layer flags on
 #                                      # (RESULTS_layer.md) and packed (RESULTS_varlen.md)
 #   bash benchmarks/run_gpu.sh bench   # ours against fla (RESULTS.md), decode
@@ -168,6 +169,16 @@ flags-check)
     timeout "${VARLEN_LIMIT:-120}" python3 benchmarks/bench_chunk_kda.py --mode varlen --kernels \
         --out "$OUT/RESULTS_varlen.md" >> "$LOG" 2>&1
     ;;
+cp)
+    # One call on nvidia-h200-x2 (NCCL; two GPUs): the context-parallel training step
+    # checked against one process, then bench_cp.py (RESULTS_cp.md).
+    step "context-parallel training step, --check"
+    timeout "${TEST_LIMIT:-200}" python3 -m torch.distributed.run --nproc-per-node "${NPROC:-2}" -m kda_op.cp_demo \
+        --seq-len 65536 --device cuda --check >> "$LOG" 2>&1
+    step "bench_cp.py"
+    timeout "${BENCH_LIMIT:-300}" python3 -m torch.distributed.run --nproc-per-node "${NPROC:-2}" benchmarks/bench_cp.py \
+        --out "$OUT/RESULTS_cp.md" >> "$LOG" 2>&1
+    ;;
 candidates)
     # One call: the CUDA tests that a kernel change most needs (fp32, fp16, opcheck,
     # strong decay), our kernels under the candidate settings ($CANDIDATES, each
@@ -254,7 +265,7 @@ explore)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|flags-verify|flags-check|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|flags-verify|flags-check|cp|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"
