@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import statistics
 import sys
 import time
@@ -74,16 +73,15 @@ def peak_bytes(fn, device) -> float:
 
 
 def main(argv=None) -> int:
+    from kda_op.distributed import init_from_torchrun
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[131072, 262144])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    cuda = args.device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = init_from_torchrun(args.device)
+    cuda = device.type == "cuda"
     rank, world = dist.get_rank(), dist.get_world_size()
     from kda_op import chunk_kda
     from kda_op.distributed import _all_gather, chunk_kda_cp

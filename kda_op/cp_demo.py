@@ -15,7 +15,6 @@ loss and every gradient. gloo on CPU, NCCL on CUDA (one GPU per rank).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import Optional
 
@@ -23,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .distributed import init_from_torchrun
 from .nn import KDALanguageModel
 
 
@@ -82,11 +82,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--check", action="store_true", help="rank 0 compares with the whole sequence alone")
     args = parser.parse_args(argv)
-    cuda = args.device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = init_from_torchrun(args.device)
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(args.vocab, seed=0, device=device)
     gen = torch.Generator().manual_seed(1)

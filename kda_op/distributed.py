@@ -15,6 +15,7 @@ there. Gradients flow back through the same ops and the all-gather's backward
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
 import torch
@@ -22,6 +23,17 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .api import chunk_kda
+
+
+def init_from_torchrun(device: str) -> torch.device:
+    """The process group of a torchrun launch (NCCL and this rank's GPU for a CUDA
+    ``device``, else gloo) and the device this rank computes on."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+        return torch.device("cuda", torch.cuda.current_device())
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
 
 
 def _all_gather(x: Tensor, group) -> Tensor:
@@ -81,8 +93,6 @@ def chunk_kda_cp(
     eye = torch.eye(K, dtype=s_local.dtype, device=q.device).expand(B, HV, K, K)
     _, m = chunk_kda(q, k, v.new_zeros(B, T, HV, K), g, beta, scale=scale, initial_state=eye,
                      output_final_state=True, **kwargs)
-    if T == 0:  # an empty slice: the identity map (the ops pass the state through)
-        s_local = torch.zeros_like(s_local)
     maps = _all_gather(torch.cat([m, s_local], dim=-1), group)  # [world, B, HV, K, K + V]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     state = (torch.zeros(B, HV, K, V, dtype=s_local.dtype, device=q.device) if initial_state is None
