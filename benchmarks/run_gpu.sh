@@ -6,6 +6,8 @@
 #   bash benchmarks/run_gpu.sh flags-verify   # every test, then the flags rows below and ours on
 #                                      # the standard shapes (after a kernel change)
 #   bash benchmarks/run_gpu.sh flags-check    # the same, shorter: the chunked kernels' CUDA tests
+#   VARIANTS="A=1" bash benchmarks/run_gpu.sh serve  # the pool and serving tests, steep-kernel tests,
+#                                      # bench_pool.py, serve_demo on CUDA, the layer row
 #   bash benchmarks/run_gpu.sh cp      # (nvidia-h200-x2) context parallel: cp_demo --check, bench_cp.py
 #   bash benchmarks/run_gpu.sh flags   # ours against fla with fla's layer flags on
 #                                      # (RESULTS_layer.md) and packed (RESULTS_varlen.md)
@@ -169,6 +171,27 @@ flags-check)
     timeout "${VARLEN_LIMIT:-120}" python3 benchmarks/bench_chunk_kda.py --mode varlen --kernels \
         --out "$OUT/RESULTS_varlen.md" >> "$LOG" 2>&1
     ;;
+serve)
+    # One call: the pool's and serving loop's tests on CUDA, the steep kernels'
+    # CUDA tests (both STEEP_BLOCK_REFS), then bench_pool.py (RESULTS_pool.md), the
+    # serving demo on CUDA, and the layer row with $VARIANTS of ours beside.
+    step "pool, serving and steep-kernel tests"
+    L=${TEST_LIMIT:-240}
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_pool.py > "$TLOGS/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_serve_demo.py > "$TLOGS/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "every_path or uninitialised" \
+        > "$TLOGS/t3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fla_options.py -k triton > "$TLOGS/t4.txt" 2>&1 &
+    collect_tests
+    step "bench_pool.py"
+    timeout "${POOL_LIMIT:-90}" python3 benchmarks/bench_pool.py --out "$OUT/RESULTS_pool.md" >> "$LOG" 2>&1
+    step "serve_demo on CUDA"
+    timeout "${DEMO_LIMIT:-60}" python3 -m kda_op.serve_demo --device cuda >> "$LOG" 2>&1
+    read -r -a VARS <<< "${VARIANTS:-}"
+    step "ours and fla, layer flags"
+    timeout "${BENCH_LIMIT:-120}" python3 benchmarks/bench_chunk_kda.py --mode layer --shapes ${FLAGS_SHAPES:-B1-T8192-H16} \
+        --kernels --variants "${VARS[@]}" --out "$OUT/RESULTS_layer.md" >> "$LOG" 2>&1
+    ;;
 cp)
     # One call on nvidia-h200-x2 (NCCL; two GPUs): the context-parallel training step
     # checked against one process, then bench_cp.py (RESULTS_cp.md).
@@ -265,7 +288,7 @@ explore)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|flags-verify|flags-check|cp|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|serve|flags-verify|flags-check|cp|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"
