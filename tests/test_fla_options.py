@@ -308,11 +308,12 @@ def test_triton_gate_matches_reference(T, gate, steep_a, monkeypatch):
     """gam_fwd.py (forward and the backward's recompute), recurrent_fwd.py and
     intra_bwd_a.py (both launches) with the gate, against the reference op."""
     device = _triton_or_skip()
-    tol = dict(FP32_TOL)
-    if isinstance(steep_a, str):
-        from kda_op.triton_kernels import settings
+    from kda_op.triton_kernels import settings
 
-        monkeypatch.setattr(settings, "STEEP_BLOCK_REFS", 1)
+    tol = dict(FP32_TOL)
+    # the steep chunks through the former path (STEEP_BLOCK_REFS = 0) unless the case says block refs
+    monkeypatch.setattr(settings, "STEEP_BLOCK_REFS", int(isinstance(steep_a, str)))
+    if isinstance(steep_a, str):
         steep_a = float(steep_a.split()[0])
         # Reduction order: the block references sum each entry's terms in another
         # order, off by 2.5e-5 at most on grads of up to 44 (the default path: 2.8e-5

@@ -104,7 +104,7 @@ def kda_bwd_triton(
     dk_e = torch.empty(B, T, HV, K, **f32)
     dgam = torch.empty(B, T, HV, K, **f32)
     dgam_last = torch.empty(B, NC, HV, K, **f32)
-    NS = triton.cdiv(K, S.BKS)
+    NS = triton.cdiv(K, S.BKS_W)
     dtm_part = torch.empty(B, NC, HV, NS, BT, BT, **f32)
     dbeta_part = torch.empty(B, NC, HV, NS, BT, **f32)
     with record_function("kda_op::bwd::intra_through_w"):
@@ -112,7 +112,7 @@ def kda_bwd_triton(
             q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
             dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
             *s["VL_CHUNK"], scale, T, NC,
-            H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS, BV=s["BV"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BV=s["BV"],
             # one stage: its V loop is short, and prefetching it cost spills at 4 warps
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
         )

@@ -30,7 +30,7 @@ INTRA_WU_FWD_WARPS = 4
 # grads to four warps 3e-5). Not at fp32 or K = 256, where two warps spill
 # kilobytes (benchmarks/kernel_resources.py).
 INTRA_WU_FWD_WARPS_BF16 = 2
-INTRA_BWD_W_WARPS = 4
+INTRA_BWD_W_WARPS = 8  # with BKS_W = 64; at 4 warps it spilled 2.4 KB
 INTRA_BWD_WARPS = 4
 INTRA_BWD_A_WARPS = 4
 # How intra_wu_fwd.py gets row i of the diagonal blocks in each of the 15 steps of
@@ -82,9 +82,14 @@ INTRA_A_SPREAD_TILE = 1
 INTRA_GAM_KERNEL = 1
 BKG = 64
 GAM_WARPS = 2
-# K slices of the backward through the states and W (intra_bwd_w.py) and of the
-# forward's steep path (intra_a_fwd.py)
+# K slices of the forward's steep path (intra_a_fwd.py)
 BKS = 32
+# K slices of the backward through the states and W (intra_bwd_w.py), one program
+# each; each slice writes its own [C, C] share of dTm (fp32), which intra_bwd.py
+# sums: K / BKS_W shares, live at the backward's peak (1.0 GiB at B8-T8192-H16 with
+# 4 of them). 32 -> 64 (with 8 warps below) for that memory: 0.5 GiB less; the
+# kernel's spills at bf16, K = 128 492 -> 88 bytes (kernel_resources.py).
+BKS_W = 64
 # K slices of the backward through the A's, one program each: BKD_A on the
 # common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
 BKD_A = 32
@@ -103,10 +108,11 @@ STEEP_FWD_ROW_PROGRAMS = 1
 # diagonal block included, instead of the first row for the columns before it and
 # a split or exact pairs for the diagonal block (1), in one pass without a branch
 # per K slice; the backward then runs the common path's dots, four per block. The
-# others go as before (0: always as before). Prepared 2026-12-01 (interpreter:
-# the reference's forward and backward on steep chunks of both kinds), not timed
-# on a GPU yet: off.
-STEEP_BLOCK_REFS = 0
+# others go as before (0: always as before). On the H200 (2026-12-01, bf16, fla's
+# layer flags, B1-T8192-H16, in one process): forward 1.049 -> 0.880 ms, forward +
+# backward 3.841 -> 3.200 (fla 3.59-4.13 wall; intra_bwd_a 1.206 -> 0.734 ms,
+# the forward's steep A's 0.471 -> 0.300), o the same to 4e-3 of fla's: on.
+STEEP_BLOCK_REFS = 1
 # The scans: one program per (V block of BV_SCAN, batch * value head), sequential
 # over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
 # next chunk (two stages) where BK <= 128, which fits the H200's 227 KB of shared
