@@ -27,33 +27,44 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _inputs(options: bool):
+def _inputs(options: bool, cu=None, v_first=False):
+    """fp64 inputs of 150 tokens: B = 2, or packed (B = 1) along ``cu`` with one
+    initial state per sequence; ``v_first``: the states [.., V, K]."""
     sys.path.insert(0, str(TESTS))
     from inputs import make_inputs
 
     x = make_inputs(B=2, T=150, H=1, G=2, K=8, V=6, dtype=torch.float64, seed=0)
     kwargs = {}
+    if cu is not None:
+        x = {n: t[:1] for n, t in x.items()}
+        x["initial_state"] = torch.randn(len(cu) - 1, 2, 8, 6, generator=torch.Generator().manual_seed(3),
+                                         dtype=torch.float64)
+        kwargs["cu_seqlens"] = torch.tensor(cu)
+    if v_first:
+        x["initial_state"] = x["initial_state"].transpose(-1, -2).contiguous()
+        kwargs["state_v_first"] = True
     if options:  # raw gate and q/k scaled: the in-kernel gate and l2norm act
         gen = torch.Generator().manual_seed(4)
         x["g"] = torch.randn(x["g"].shape, generator=gen, dtype=torch.float64)
         x["q"], x["k"] = 3 * x["q"], 3 * x["k"]
-        kwargs = dict(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0,
+        kwargs.update(use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True, lower_bound=-5.0,
                       A_log=torch.randn(2, generator=gen, dtype=torch.float64),
                       dt_bias=torch.randn(2 * 8, generator=gen, dtype=torch.float64))
     return x, kwargs
 
 
-def _worker(rank, world, port, cuts, options, compiled, errors):
+def _worker(rank, world, port, cuts, options, compiled, cu, v_first, errors):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         from kda_op import chunk_kda
         from kda_op.distributed import chunk_kda_cp
 
-        x, kwargs = _inputs(options)
+        x, kwargs = _inputs(options, cu, v_first)
         sl = slice(cuts[rank], cuts[rank + 1])
-        params = {n: p.clone().requires_grad_() for n, p in kwargs.items() if isinstance(p, torch.Tensor)}
-        flags = {n: p for n, p in kwargs.items() if not isinstance(p, torch.Tensor)}
+        # cu_seqlens: the same offsets of the whole batch on every rank (not a parameter)
+        flags = {n: p for n, p in kwargs.items() if not isinstance(p, torch.Tensor) or n == "cu_seqlens"}
+        params = {n: p.clone().requires_grad_() for n, p in kwargs.items() if n not in flags}
         mine = {n: x[n][:, sl].clone().requires_grad_() for n in NAMES}
         h0 = x["initial_state"].clone().requires_grad_()
         fn = torch.compile(chunk_kda_cp, fullgraph=True, backend="aot_eager") if compiled else chunk_kda_cp
@@ -109,8 +120,8 @@ def _spawn(target, world, *args):
     assert not msgs and all(p.exitcode == 0 for p in procs), "\n".join(msgs) or [p.exitcode for p in procs]
 
 
-def _run(cuts, options=False, compiled=False):
-    _spawn(_worker, len(cuts) - 1, cuts, options, compiled)
+def _run(cuts, options=False, compiled=False, cu=None, v_first=False):
+    _spawn(_worker, len(cuts) - 1, cuts, options, compiled, cu, v_first)
 
 
 PORT = [0]
@@ -138,12 +149,79 @@ def test_context_parallel_compiles_fullgraph():
     _run([0, 90, 150], compiled=True)
 
 
-def test_context_parallel_refuses_what_is_not_there_yet():
+# packed sequences of 20, 0, 70, 1, 59 tokens (150 in all)
+CU = [0, 20, 20, 90, 91, 150]
+
+
+@pytest.mark.parametrize("cuts", [
+    [0, 37, 150],          # 2 ranks, the cut inside the third sequence
+    [0, 20, 91, 150],      # 3 ranks, cut at sequence boundaries (the empty one at the first cut)
+    [0, 30, 60, 150],      # 3 ranks, the third sequence over all of them
+    [0, 64, 64, 150],      # 3 ranks, an empty middle slice
+    [0, 90, 91, 150],      # 3 ranks, the middle one a single token (a one-token sequence)
+])
+def test_context_parallel_packed_sequences_equal_one_process(cuts):
+    """cu_seqlens across the ranks: each rank's slice of o, every sequence's final
+    state and every grad equal the packed call on one process."""
+    _run(cuts, cu=CU)
+
+
+def test_context_parallel_packed_with_the_options_and_v_first_states():
+    _run([0, 45, 100, 150], options=True, cu=CU, v_first=True)
+
+
+def test_context_parallel_packed_compiles_fullgraph():
+    _run([0, 55, 150], compiled=True, cu=CU)
+
+
+def test_context_parallel_v_first_states():
+    _run([0, 80, 150], v_first=True)
+
+
+def _bad_input_worker(rank, world, port, errors):
+    try:
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        from kda_op.distributed import chunk_kda_cp
+
+        x, _ = _inputs(False, cu=CU)
+        args = [x[n][:, 75 * rank:75 * (rank + 1)] for n in NAMES]
+        # every rank refuses the same way, after the lengths' all-gather where it needs it
+        with pytest.raises(ValueError, match="end at the ranks' tokens in all, 150"):
+            chunk_kda_cp(*args, cu_seqlens=torch.tensor([0, 20, 151]))
+        dist.barrier()
+        dist.destroy_process_group()
+        os._exit(0)  # as in _worker
+    except BaseException as e:
+        import traceback
+
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise SystemExit(1) from e
+
+
+def test_context_parallel_refuses_bad_input():
+    """Errors that name the argument, raised before any kernel: the rules one rank
+    checks alone, and the end of cu_seqlens against the ranks' tokens in all."""
     from kda_op.distributed import chunk_kda_cp
 
-    x, _ = _inputs(False)
-    with pytest.raises(NotImplementedError, match="cu_seqlens"):
-        chunk_kda_cp(*(x[n] for n in NAMES), cu_seqlens=torch.tensor([0, 150]))
+    x, _ = _inputs(False, cu=CU)
+    args = [x[n] for n in NAMES]
+    with pytest.raises(NotImplementedError, match="cp_context"):
+        chunk_kda_cp(*args, cp_context=object())
+    with pytest.raises(ValueError, match="cu_seqlens_cpu is given without cu_seqlens"):
+        chunk_kda_cp(*args, cu_seqlens_cpu=torch.tensor(CU))
+    with pytest.raises(ValueError, match="1-D int64"):
+        chunk_kda_cp(*args, cu_seqlens=torch.tensor([0.0, 150.0]))
+    with pytest.raises(TypeError, match="cu_seqlens must be a 1-D integer torch.Tensor"):
+        chunk_kda_cp(*args, cu_seqlens=CU)
+    with pytest.raises(ValueError, match="never decrease"):
+        chunk_kda_cp(*args, cu_seqlens=torch.tensor([0, 90, 20, 150]))
+    with pytest.raises(ValueError, match="one state per sequence of cu_seqlens"):
+        chunk_kda_cp(*args, cu_seqlens=torch.tensor([0, 150]), initial_state=x["initial_state"])
+    two = _inputs(False)[0]
+    with pytest.raises(ValueError, match="B must be 1"):
+        chunk_kda_cp(*(two[n] for n in NAMES), cu_seqlens=torch.tensor([0, 150]))
+    _spawn(_bad_input_worker, 2)
 
 
 def _model_worker(rank, world, port, errors):
