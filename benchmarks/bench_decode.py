@@ -19,6 +19,7 @@ checked against the defaults' output and final state.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import sys
 
@@ -151,37 +152,45 @@ def time_inplace_probe(ceiling) -> None:
               f"rel diff to a fresh final state {diff:.1e}", flush=True)
 
 
-def time_settings(ours, settings, ceiling) -> None:
-    """Ours under other launch settings: eager and graph-replay medians, state
-    TB/s, and the largest difference of o and the final state to the defaults."""
+@contextlib.contextmanager
+def recurrent_settings(setting: str):
+    """settings.py's RECURRENT_* settings changed as ``setting`` says (comma-separated
+    NAME=VALUE), the others at their defaults; all restored on exit."""
     from kda_op.triton_kernels import settings as S
 
     defaults = {n: getattr(S, n) for n in dir(S) if n.startswith("RECURRENT_")}
+    try:
+        for item in filter(None, setting.split(",")):
+            n, value = item.split("=")
+            if n not in defaults:
+                raise SystemExit(f"unknown setting {n!r}; settings.py has {sorted(defaults)}")
+            setattr(S, n, setting_value(defaults[n], value))
+        yield
+    finally:
+        for n, value in defaults.items():
+            setattr(S, n, value)
+
+
+def time_settings(ours, settings, ceiling) -> None:
+    """Ours under other launch settings: eager and graph-replay medians, state
+    TB/s, and the largest difference of o and the final state to the defaults."""
     for B, HV, H in SHAPES:
         inputs = make_inputs(B, HV, H)
         state_bytes = 2 * B * HV * K * V * 4
         with torch.no_grad():
             reference = [t.float().clone() for t in ours(*inputs)]
             for setting in settings:
-                for n, value in defaults.items():
-                    setattr(S, n, value)
-                for item in filter(None, setting.split(",")):
-                    n, value = item.split("=")
-                    if n not in defaults:
-                        raise SystemExit(f"unknown setting {n!r}; settings.py has {sorted(defaults)}")
-                    setattr(S, n, setting_value(defaults[n], value))
-                got = [t.float() for t in ours(*inputs)]
-                diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, reference))
-                eager = triton.testing.do_bench(lambda: ours(*inputs), warmup=50, rep=300, return_mode="median")
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    ours(*inputs)
-                replay = triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
+                with recurrent_settings(setting):
+                    got = [t.float() for t in ours(*inputs)]
+                    diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, reference))
+                    eager = triton.testing.do_bench(lambda: ours(*inputs), warmup=50, rep=300, return_mode="median")
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        ours(*inputs)
+                    replay = triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
                 print(f"B={B} HV={HV} [{setting}]: eager {eager * 1e3:.1f} us, CUDA graph {replay * 1e3:.1f} us, "
                       f"{state_bytes / (replay * 1e-3) / ceiling:.0%} of the copy ceiling, "
                       f"max rel diff to defaults {diff:.1e}", flush=True)
-        for n, value in defaults.items():
-            setattr(S, n, value)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,11 @@ moved (each slot's fp32 state read once and written once) per second against the
 device-to-device copy ceiling measured in the same process. Needs CUDA and fla.
 
     python benchmarks/bench_pool.py [--impl ours] [--out benchmarks/RESULTS_pool.md]
+        [--settings "RECURRENT_BV=64" "RECURRENT_WARPS=8"]
+
+--settings: after the table, ours alone under other values of settings.py's
+RECURRENT_* settings (comma-separated NAME=VALUE, one string per run), each checked
+against the defaults' step (o and the written slots).
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ import torch
 import triton
 import triton.testing
 
-from bench_decode import copy_ceiling_bytes_per_s, make_inputs
+from bench_decode import copy_ceiling_bytes_per_s, make_inputs, recurrent_settings
 
 SHAPES = [(64, 32, 16), (256, 32, 16)]  # B, HV, H
 K = V = 128
@@ -50,6 +55,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--impl", choices=["both", "ours"], default="both")
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    parser.add_argument("--settings", nargs="*", default=[],
+                        help="settings.py RECURRENT_* settings to time ours under after the table")
     args = parser.parse_args()
     from kda_op import fused_recurrent_kda
 
@@ -93,11 +100,35 @@ def main() -> int:
     table = "\n".join(lines)
     print(meta)
     print(table)
+    if args.settings:
+        time_settings(impls["ours"], args.settings, ceiling)
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_pool.py --impl {args.impl} --out {args.out}`\n\n"
                     f"{table}\n")
     return 0
+
+
+def time_settings(ours, settings, ceiling) -> None:
+    """Ours under other launch settings: graph-replay medians, the state bytes' share
+    of the copy ceiling, and the largest difference to the defaults' step."""
+    with torch.no_grad():
+        for B, HV, H in SHAPES:
+            x, pool0, idx = make_step_inputs(B, HV, H)
+            pool = pool0.clone()
+            o, _ = ours(x, pool, idx)
+            reference = (o.float(), pool[idx.long()].clone())
+            state_bytes = 2 * B * HV * K * V * 4
+            for setting in settings:
+                with recurrent_settings(setting):
+                    pool.copy_(pool0)
+                    o, _ = ours(x, pool, idx)
+                    got = (o.float(), pool[idx.long()])
+                    diff = max(((a - b).norm() / b.norm()).item() for a, b in zip(got, reference))
+                    ms = graph_ms(lambda: ours(x, pool, idx))
+                print(f"B={B} HV={HV} pool {4 * B} [{setting}]: CUDA graph {ms * 1e3:.1f} us, "
+                      f"{state_bytes / (ms * 1e-3) / ceiling:.0%} of the copy ceiling, "
+                      f"max rel diff to defaults {diff:.1e}", flush=True)
 
 
 if __name__ == "__main__":

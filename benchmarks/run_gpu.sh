@@ -173,10 +173,11 @@ flags-check)
     ;;
 serve)
     # One call: the pool's and serving loop's tests on CUDA, the steep kernels'
-    # CUDA tests (both STEEP_BLOCK_REFS), then bench_pool.py (RESULTS_pool.md), the
+    # CUDA tests (both STEEP_BLOCK_REFS), then bench_pool.py (RESULTS_pool.md; and
+    # $POOL_SETTINGS, e.g. "RECURRENT_BV=64 RECURRENT_WARPS=8"), the
     # serving demo on CUDA, and the layer row with $VARIANTS of ours beside.
     step "pool, serving and steep-kernel tests"
-    L=${TEST_LIMIT:-240}
+    L=${TEST_LIMIT:-300}  # the steep-kernel group took 159 s alone, past 230 s beside the others
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_pool.py > "$TLOGS/t1.txt" 2>&1 &
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_serve_demo.py > "$TLOGS/t2.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "every_path or uninitialised" \
@@ -184,7 +185,9 @@ serve)
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fla_options.py -k triton > "$TLOGS/t4.txt" 2>&1 &
     collect_tests
     step "bench_pool.py"
-    timeout "${POOL_LIMIT:-90}" python3 benchmarks/bench_pool.py --out "$OUT/RESULTS_pool.md" >> "$LOG" 2>&1
+    read -r -a PSET <<< "${POOL_SETTINGS:-}"  # RECURRENT_* settings to time the pool step under
+    timeout "${POOL_LIMIT:-90}" python3 benchmarks/bench_pool.py --out "$OUT/RESULTS_pool.md" \
+        ${POOL_SETTINGS:+--settings "${PSET[@]}"} >> "$LOG" 2>&1
     step "serve_demo on CUDA"
     timeout "${DEMO_LIMIT:-60}" python3 -m kda_op.serve_demo --device cuda >> "$LOG" 2>&1
     read -r -a VARS <<< "${VARIANTS:-}"
