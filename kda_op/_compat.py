@@ -53,6 +53,15 @@ def interpreter_numpy_problem() -> str | None:
     return None
 
 
+def all_gather_plain():
+    """torch's all-gather of functional collectives without autograd:
+    ``all_gather_single`` where it exists (torch 2.13 deprecates the other name),
+    else ``all_gather_tensor``."""
+    import torch.distributed._functional_collectives as fc
+
+    return getattr(fc, "all_gather_single", None) or fc.all_gather_tensor
+
+
 def all_gather_autograd():
     """torch's differentiable all-gather of functional collectives:
     ``all_gather_single_autograd`` where it exists (torch 2.13, which deprecates the

@@ -48,9 +48,29 @@ def _all_gather(x: Tensor, group) -> Tensor:
 
 def _all_gather_plain(x: Tensor, group) -> Tensor:
     """``[world, *x.shape]`` without autograd (sizes, indices)."""
-    from torch.distributed._functional_collectives import all_gather_tensor, wait_tensor
+    from torch.distributed._functional_collectives import wait_tensor
 
-    return wait_tensor(all_gather_tensor(x.unsqueeze(0).contiguous(), 0, group))
+    from ._compat import all_gather_plain
+
+    return wait_tensor(all_gather_plain()(x.unsqueeze(0).contiguous(), 0, group))
+
+
+def packed_slice(T: int, cu_seqlens: Tensor, group, device: torch.device) -> dict:
+    """Where this rank's T tokens lie in a packed batch cut over the ranks of
+    ``group`` (in rank order), from an all-gather of the slice lengths (no host sync):
+    ``lengths`` [world] and ``starts`` [world] of every rank's slice, this rank's
+    ``start`` (0-d), ``local_cu`` [N + 1] (the global offsets clamped to this slice:
+    sequence n's part here, empty where it misses the slice) and ``first_seq`` (0-d:
+    the sequence holding this slice's first token; N - 1 or past it for an empty
+    slice at the end)."""
+    world = dist.get_world_size(group)
+    cu = cu_seqlens.to(torch.int64)
+    lengths = _all_gather_plain(torch.full((1,), T, dtype=torch.int64, device=device), group).reshape(world)
+    starts = lengths.cumsum(0) - lengths
+    start = starts[dist.get_rank(group)]
+    first_seq = torch.searchsorted(cu, start.reshape(1), right=True).reshape(()) - 1
+    return dict(cu=cu, lengths=lengths, starts=starts, start=start, local_cu=(cu - start).clamp(0, T),
+                first_seq=first_seq)
 
 
 def chunk_kda_cp(
@@ -197,22 +217,18 @@ def _chunk_kda_cp_varlen(q, k, v, g, beta, group, initial_state, output_final_st
     N = cu_seqlens.shape[0] - 1
     _, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    cu = cu_seqlens.to(torch.int64)
-    lengths = _all_gather_plain(torch.full((1,), T, dtype=torch.int64, device=q.device), group).reshape(world)
-    ends = lengths.cumsum(0)
-    starts = ends - lengths
+    rank = dist.get_rank(group)
+    place = packed_slice(T, cu_seqlens, group, q.device)
+    cu, lengths, start, local_cu, first_seq = (place[n] for n in ("cu", "lengths", "start", "local_cu", "first_seq"))
+    ends = place["starts"] + lengths
     if offsets is not None and lengths.device.type == "cpu":  # gloo: the lengths are on the host already
         total = int(ends[-1])
         if offsets[-1] != total:
             raise ValueError(f"chunk_kda_cp(): cu_seqlens must end at the ranks' tokens in all, {total}, got "
                              f"{offsets[-1]}")
-    start = starts[rank]
-    local_cu = (cu - start).clamp(0, T)
     # the sequence holding each rank's last token (-1 for an empty slice): the one whose map goes on
     last_seq = torch.searchsorted(cu, ends - 1, right=True) - 1
     last_seq = torch.where(lengths > 0, last_seq, torch.full_like(last_seq, -1))
-    first_seq = torch.searchsorted(cu, start.reshape(1), right=True).reshape(()) - 1
 
     _, s_local = chunk_kda(q, k, v, g, beta, scale=scale, output_final_state=True, cu_seqlens=local_cu, **kwargs)
     eye = torch.eye(K, dtype=s_local.dtype, device=q.device).expand(N, HV, K, K)

@@ -224,17 +224,18 @@ def test_context_parallel_refuses_bad_input():
     _spawn(_bad_input_worker, 2)
 
 
-def _model_worker(rank, world, port, errors):
+def _model_worker(rank, world, port, cu, errors):
     try:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
         from kda_op import cp_demo
 
         model = cp_demo.build(48, seed=0, device="cpu", dtype=torch.float64)
-        tokens = torch.randint(48, (2, 301), generator=torch.Generator().manual_seed(1))
-        loss, grads = cp_demo.step(model, tokens)
+        tokens = torch.randint(48, (2 if cu is None else 1, 301), generator=torch.Generator().manual_seed(1))
+        cu = None if cu is None else torch.tensor(cu)
+        loss, grads = cp_demo.step(model, tokens, cu_seqlens=cu)
         ref = cp_demo.build(48, seed=0, device="cpu", dtype=torch.float64)
-        ref_loss, ref_grads = cp_demo.single_step(ref, tokens)
+        ref_loss, ref_grads = cp_demo.single_step(ref, tokens, cu)
         torch.testing.assert_close(loss, ref_loss, **TOL)
         assert grads.keys() == ref_grads.keys()
         for name, g in ref_grads.items():  # every parameter, the short convolutions' and A_log included
@@ -258,4 +259,19 @@ def test_context_parallel_training_step_of_the_model_equals_one_process(world):
     previous rank's last inputs, the layer's in-kernel options) over 2 and 3 ranks,
     fp64: the loss and every parameter's gradient (summed over the ranks) equal the
     whole sequence's on one process."""
-    _spawn(_model_worker, world)
+    _spawn(_model_worker, world, None)
+
+
+@pytest.mark.parametrize("world,cu", [
+    # 300 positions in slices of 150 / 100: documents that start two (world 2) and one
+    # (world 3) tokens before a cut and go on past it (their first inputs in the short
+    # convolutions' window from the previous rank, the inputs before them not), one
+    # that ends at a cut, one that starts at a cut, an empty one, one of a single token
+    (2, [0, 40, 148, 230, 230, 299, 300]),
+    (3, [0, 98, 100, 170, 199, 300]),
+])
+def test_context_parallel_training_step_on_packed_documents_equals_one_process(world, cu):
+    """The same with documents packed in the sequence (cu_seqlens across the ranks):
+    the attention and the short convolutions restart at every document, also where
+    a document starts just before or at a rank's first token."""
+    _spawn(_model_worker, world, cu)

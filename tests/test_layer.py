@@ -351,6 +351,33 @@ def test_forward_argument_checks():
         layer(x, attention_mask=torch.ones(10, dtype=torch.long))
     with pytest.raises(TypeError, match="decode"):
         layer(x, decode=1)
+    with pytest.raises(ValueError, match="not both"):
+        layer(x[:1], attention_mask=torch.ones(1, 5, dtype=torch.long), cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="must be \\[1, T"):
+        layer(x, cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match="cu_seqlens must be a 1-D int32 or int64"):
+        layer(x[:1], cu_seqlens=torch.tensor([0.0, 5.0]))
+
+
+@needs_varlen
+@pytest.mark.parametrize("decode", [False, True], ids=["chunk", "fused_recurrent"])
+def test_cu_seqlens_sequences_equal_each_sequence_alone(decode):
+    """fla's layer keyword: N sequences packed in [1, T] (an empty one and one of a
+    single token among them), each continuing its own state, give each sequence's
+    outputs and new state alone (the attention's and the short convolutions')."""
+    layer = _layer(seed=3)
+    lengths = [7, 0, 1, 12]
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    x = _x(1, sum(lengths), seed=4)
+    first = [layer(_x(1, 3 + n, seed=10 + n))[1] for n in range(len(lengths))]  # a state per sequence
+    states = tuple(torch.cat([s[i] for s in first]) for i in range(4))
+    y, new = layer(x, states, decode, cu_seqlens=cu)
+    for n in range(len(lengths)):
+        a, b = int(cu[n]), int(cu[n + 1])
+        y_n, new_n = layer(x[:, a:b], tuple(s[n:n + 1] for s in states), decode)
+        torch.testing.assert_close(y[:, a:b], y_n, rtol=1e-10, atol=1e-12)
+        for got, want in zip(new, new_n):
+            torch.testing.assert_close(got[n:n + 1], want, rtol=1e-10, atol=1e-12)
 
 
 # -- attention_mask: unpad to varlen, repad --------------------------------------

@@ -377,6 +377,7 @@ class KimiDeltaAttention(nn.Module):
         state: Optional[KDAState] = None,
         decode: bool = False,
         attention_mask: Optional[Tensor] = None,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> tuple[Tensor, KDAState]:
         """Run the layer.
 
@@ -393,6 +394,11 @@ class KimiDeltaAttention(nn.Module):
                 convention; left padding is typical, any pattern works). Each row's
                 tokens are then a sequence of their own, continuing that row's
                 ``state``; padding changes no state and its outputs are 0.
+            cu_seqlens: ``[N + 1]`` integer offsets of N sequences packed in
+                ``hidden_states`` ``[1, T, hidden_size]`` (fla's layer's keyword;
+                not with ``attention_mask``); ``state``'s entries are then one per
+                sequence. Under :meth:`set_context_parallel`, the offsets of the
+                whole packed batch that the ranks' slices cut.
 
         Returns:
             ``(y [B, T, hidden_size], new_state)``.
@@ -417,8 +423,17 @@ class KimiDeltaAttention(nn.Module):
         _check_flag("decode", decode)
         if state is not None and not (isinstance(state, (tuple, list)) and len(state) == 4):
             raise TypeError("state must be a KDAState: (recurrent, q conv cache, k conv cache, v conv cache)")
+        if cu_seqlens is not None:
+            if attention_mask is not None:
+                raise ValueError("give attention_mask or cu_seqlens, not both (a mask is unpadded to cu_seqlens)")
+            if not isinstance(cu_seqlens, Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (
+                    torch.int32, torch.int64):
+                raise ValueError("cu_seqlens must be a 1-D int32 or int64 torch.Tensor [N + 1]")
+            if hidden_states.shape[0] != 1:
+                raise ValueError(f"with cu_seqlens the sequences are packed along T: hidden_states must be "
+                                 f"[1, T, {self.hidden_size}], got shape {tuple(hidden_states.shape)}")
         if attention_mask is None:
-            return self._forward(hidden_states, state, decode, None)
+            return self._forward(hidden_states, state, decode, cu_seqlens)
         return self._forward_masked(hidden_states, state, decode, attention_mask)
 
     def new_pool(self, num_slots: int, device: Optional[torch.device] = None,
@@ -561,9 +576,9 @@ class KimiDeltaAttention(nn.Module):
         from ..distributed import _all_gather, chunk_kda_cp
 
         group = self.context_parallel_group
-        if state is not None or cu_seqlens is not None:
-            raise NotImplementedError("the context-parallel forward starts from a zero state, without packed "
-                                      "sequences (state and attention_mask are not supported there yet)")
+        if state is not None:
+            raise NotImplementedError("the context-parallel forward starts from a zero state (state is not "
+                                      "supported there yet; neither is attention_mask: pass cu_seqlens)")
         B, T, _ = x.shape
         H, K, HV, V = self.num_heads, self.head_k_dim, self.num_v_heads, self.head_v_dim
         W = self.conv_size - 1
@@ -580,8 +595,13 @@ class KimiDeltaAttention(nn.Module):
             gathered = _all_gather(torch.cat([u[:, T - W:] for u in us], dim=-1).transpose(1, 2), group)
             cache_all = gathered[max(rank - 1, 0)] * float(rank > 0)  # [B, Dq + Dk + Dv, W]
             sizes = [u.shape[-1] for u in us]
-            caches, tails = cache_all.split(sizes, dim=1), list(gathered[-1].split(sizes, dim=1))
-            q, k, v = (conv(u, cache)[0] for (conv, _), u, cache in zip(convs, us, caches))
+            tails = list(gathered[-1].split(sizes, dim=1))
+            local_cu = None
+            if cu_seqlens is not None:
+                cache_all, local_cu = self._packed_conv_caches(cache_all, T, cu_seqlens, group)
+                tails = [None, None, None]  # a sequence's last inputs may lie on any rank: not gathered
+            caches = cache_all.split(sizes, dim=1)
+            q, k, v = (conv(u, cache, local_cu)[0] for (conv, _), u, cache in zip(convs, us, caches))
         else:
             q, k, v = F.silu(self.q_proj(x)), F.silu(self.k_proj(x)), F.silu(self.v_proj(x))
             tails = [None, None, None]
@@ -592,6 +612,23 @@ class KimiDeltaAttention(nn.Module):
                                     use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
                                     use_beta_sigmoid_in_kernel=True, allow_neg_eigval=self.allow_neg_eigval,
                                     lower_bound=self.lower_bound, safe_gate=self.safe_gate, A_log=self.A_log,
-                                    dt_bias=self.dt_bias)
+                                    dt_bias=self.dt_bias, cu_seqlens=cu_seqlens)
         o = self.o_norm(o, self.g_proj(x).view(B, T, HV, V))
         return self.o_proj(o.reshape(B, T, HV * V)), (recurrent, *tails)
+
+    def _packed_conv_caches(self, prev_inputs: Tensor, T: int, cu_seqlens: Tensor, group) -> tuple[Tensor, Tensor]:
+        """The short convolutions' caches of a context-parallel slice of a packed
+        batch: ``[N, D, W]`` zeros but for the slice's first sequence, which reads
+        the previous rank's last W inputs (``prev_inputs`` [1, D, W]) where they
+        belong to it (its start may fall among them); and the slice's ``local_cu``."""
+        from ..distributed import packed_slice
+
+        W = prev_inputs.shape[-1]
+        place = packed_slice(T, cu_seqlens, group, prev_inputs.device)
+        cu, first = place["cu"], place["first_seq"]
+        N = cu.shape[0] - 1
+        position = place["start"] - W + torch.arange(W, device=cu.device)  # of each cached input in the batch
+        own = position >= cu.index_select(0, first.clamp(0, N - 1).reshape(1))  # [W]: inputs of the first sequence
+        first_cache = torch.where(own, prev_inputs, torch.zeros_like(prev_inputs))
+        is_first = (torch.arange(N, device=cu.device) == first).reshape(N, 1, 1)
+        return torch.where(is_first, first_cache, torch.zeros_like(first_cache)), place["local_cu"]

@@ -25,8 +25,9 @@ class KDABlock(nn.Module):
         self.up = nn.Linear(hidden_size, 2 * inner, bias=False)
         self.down = nn.Linear(inner, hidden_size, bias=False)
 
-    def forward(self, x: Tensor, state: Optional[KDAState] = None, decode: bool = False) -> tuple[Tensor, KDAState]:
-        h, state = self.attn(self.attn_norm(x), state, decode)
+    def forward(self, x: Tensor, state: Optional[KDAState] = None, decode: bool = False,
+                cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, KDAState]:
+        h, state = self.attn(self.attn_norm(x), state, decode, cu_seqlens=cu_seqlens)
         return self._mlp(x + h), state
 
     def forward_pooled(self, x: Tensor, pool: KDAPool, slots: Tensor, cu_seqlens: Tensor,
@@ -43,10 +44,11 @@ class KDABlock(nn.Module):
 class KDALanguageModel(nn.Module):
     """Embedding, ``num_layers`` KDA blocks, a final RMSNorm and a tied LM head.
 
-    ``forward(input_ids [B, T], states=None, decode=False)`` returns
-    ``(logits [B, T, vocab], states)``, one :data:`KDAState` per layer; pass the
-    states back to continue the sequence (prefill, then one token at a time with
-    ``decode=True``).
+    ``forward(input_ids [B, T], states=None, decode=False, cu_seqlens=None)``
+    returns ``(logits [B, T, vocab], states)``, one :data:`KDAState` per layer; pass
+    the states back to continue the sequence (prefill, then one token at a time with
+    ``decode=True``). ``cu_seqlens`` [N + 1]: N sequences packed in ``input_ids``
+    [1, T] (each layer's states then one per sequence).
     """
 
     def __init__(
@@ -70,12 +72,13 @@ class KDALanguageModel(nn.Module):
         nn.init.normal_(self.embed.weight, std=0.02)
 
     def forward(
-        self, input_ids: Tensor, states: Optional[list[KDAState]] = None, decode: bool = False
+        self, input_ids: Tensor, states: Optional[list[KDAState]] = None, decode: bool = False,
+        cu_seqlens: Optional[Tensor] = None,
     ) -> tuple[Tensor, list[KDAState]]:
         x = self.embed(input_ids)
         new_states = []
         for i, block in enumerate(self.blocks):
-            x, state = block(x, None if states is None else states[i], decode)
+            x, state = block(x, None if states is None else states[i], decode, cu_seqlens)
             new_states.append(state)
         return self.head(self.norm(x)), new_states
 
