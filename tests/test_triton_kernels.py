@@ -366,6 +366,24 @@ def _filled(x: torch.Tensor, byte: int) -> torch.Tensor:
     return x
 
 
+@pytest.mark.parametrize("row_size", [960, 40000])  # one part of one block; three parts of 16 blocks, the last partial
+def test_triton_zero_slots_writes_zeros_past_the_first_unused_row_only(row_size):
+    """zero_slots.py as the varlen forward launches it: rows before first_unused keep
+    their bytes, every element of the rows from it on becomes 0."""
+    import triton
+
+    from kda_op.triton_kernels.zero_slots import kda_zero_slots_kernel
+
+    x = torch.randn(5, row_size, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    before = x.clone()
+    first_unused = torch.tensor([2], dtype=torch.int64, device=DEVICE)
+    blocks = min(16, triton.cdiv(row_size, 1024))
+    kda_zero_slots_kernel[(5, triton.cdiv(row_size, 1024 * blocks))](x, first_unused, row_size, BLOCK=1024,
+                                                                    BLOCKS=blocks)
+    assert torch.equal(x[:2], before[:2])
+    assert torch.equal(x[2:], torch.zeros_like(x[2:]))
+
+
 def test_triton_grid_limits_are_refused_with_advice():
     """B * HV past the 65535 programs a CUDA grid allows on its second axis: a
     ValueError that says what to do, from the chunked and the recurrent path,

@@ -166,8 +166,9 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
     )
     if s["IS_VARLEN"]:
         row = HV * K * V
-        _kernel(kda_zero_slots_kernel, traced)[(s["NCS"], triton.cdiv(row, 1024))](
-            chunk_states, s["FIRST_UNUSED_STATE"], row, BLOCK=1024, num_warps=4,
+        blocks = min(16, triton.cdiv(row, 1024))
+        _kernel(kda_zero_slots_kernel, traced)[(s["NCS"], triton.cdiv(row, 1024 * blocks))](
+            chunk_states, s["FIRST_UNUSED_STATE"], row, BLOCK=1024, BLOCKS=blocks, num_warps=4,
         )
 
 
