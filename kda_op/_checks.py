@@ -220,7 +220,9 @@ def check_pool_inputs(q: Tensor, v: Tensor, pool: object, ssm_state_indices: obj
     ``ssm_state_indices``); raise TypeError or ValueError before any state is
     touched. What reads the indices' values is checked only where they are CPU
     tensors (no host sync) and nothing traces: the slots' range, the accepted
-    counts' range, and that no two sequences share a slot."""
+    counts' range, that no two sequences share a slot, and with cu_seqlens that
+    [N, T_max] indices have a column for every token (on CUDA a token past T_max
+    writes no state)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -265,6 +267,12 @@ def check_pool_inputs(q: Tensor, v: Tensor, pool: object, ssm_state_indices: obj
                              f"{num_accepted_tokens.dtype} {tuple(num_accepted_tokens.shape)}")
         if num_accepted_tokens.device != q.device:
             raise ValueError(f"num_accepted_tokens must be on q's device {q.device}, got {num_accepted_tokens.device}")
+    if (idx.dim() == 2 and cu_seqlens is not None and cu_seqlens.device.type == "cpu" and N
+            and not torch.compiler.is_compiling()):
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if longest > idx.shape[1]:
+            raise ValueError(f"ssm_state_indices [N, T_max] needs a column per token: T_max >= the longest "
+                             f"sequence of cu_seqlens, {longest}, got {idx.shape[1]}")
     if idx.device.type == "cpu" and not torch.compiler.is_compiling():
         num_slots = pool.shape[0]
         if idx.numel() and int(idx.max()) >= num_slots:

@@ -224,6 +224,7 @@ def chunk_kda(
         allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate, lower_bound=lower_bound,
         state_v_first=state_v_first, chunk_size=extra.get("chunk_size", 64),
     )
+    dt_bias = _flat_dt_bias(dt_bias)
     check_bool("disable_recompute", disable_recompute)
     check_bool("recompute_in_backward", recompute_in_backward)
     if disable_recompute and recompute_in_backward:
@@ -330,6 +331,7 @@ def fused_recurrent_kda(
         allow_neg_eigval=allow_neg_eigval, safe_gate=False, lower_bound=lower_bound, state_v_first=state_v_first,
         chunk_size=64,
     )
+    dt_bias = _flat_dt_bias(dt_bias)
     h0 = _state_in(initial_state, state_v_first)
     check_kda_inputs(q, k, v, g, beta, scale, h0, output_final_state, state_v_first=state_v_first,
                      cu_seqlens=cu_seqlens)
@@ -339,6 +341,12 @@ def fused_recurrent_kda(
         A_log, dt_bias, use_gate_in_kernel, None if lower_bound is None else float(lower_bound), cu_seqlens,
     )
     return o, (_state_out(final_state, state_v_first) if output_final_state else None)
+
+
+def _flat_dt_bias(dt_bias: Optional[Tensor]) -> Optional[Tensor]:
+    """dt_bias as the ops take it, [HV * K]; given as [HV, K] (accepted, as fla's
+    layer holds it flat), a view, so that its grad comes back in its own shape."""
+    return None if dt_bias is None else dt_bias.reshape(-1)
 
 
 def _on_pool(fn, q, k, v, g, beta, A_log, dt_bias, scale, pool, output_final_state, use_qk_l2norm_in_kernel,
@@ -368,6 +376,7 @@ def _on_pool(fn, q, k, v, g, beta, A_log, dt_bias, scale, pool, output_final_sta
         raise NotImplementedError("ssm_state_indices of shape [N, T_max] (a state per token) needs "
                                   "inplace_final_state=True in kda-op")
     q, k, beta = _prepare(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
+    dt_bias = _flat_dt_bias(dt_bias)
     scale = None if scale is None else float(scale)
     lb = None if lower_bound is None else float(lower_bound)
     if inplace_final_state:

@@ -336,7 +336,8 @@ def kda_pool_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     with the writes done. Sequence n starts from slot ``indices[n]`` (1-D indices)
     or ``indices[n, num_accepted_tokens[n] - 1]`` (2-D; column 0 without
     ``num_accepted_tokens``); its final state goes to ``indices[n]`` (1-D), or the
-    state after its token t to ``indices[n, t]`` (2-D, in token order). A negative
+    state after its token t to ``indices[n, t]`` (2-D, in token order; tokens past
+    T_max, which callers refuse where they can, write nothing). A negative
     start slot marks a padding sequence: it reads and writes nothing and its
     output rows are zero; a negative ``indices[n, t]`` skips that write."""
     B, T = q.shape[:2]
@@ -362,7 +363,7 @@ def kda_pool_reference(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
             if e > a:
                 new_pool[start] = layout(ht[0])
         else:
-            for t in range(e - a):
+            for t in range(min(e - a, len(row))):  # tokens past T_max: no slot, no write
                 if row[t] >= 0:
                     new_pool[row[t]] = layout(states[0, t + 1])
     return o, new_pool

@@ -669,3 +669,27 @@ def test_cuda_graph_captures_the_varlen_forward():
                      cu_seqlens=cu2, **kw)
     for a, b in zip(out, want):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, fused_recurrent_kda])
+def test_dt_bias_as_hv_by_k_gets_its_grad_in_its_own_shape(fn):
+    """dt_bias given as [HV, K] (accepted beside fla's [HV * K]): the same outputs
+    and grads as the flat one, the grad in [HV, K]."""
+    gen = torch.Generator().manual_seed(81)
+    B, T, H, G, K, V = 1, 10, 1, 2, 4, 3
+    HV = H * G
+    q = torch.randn(B, T, H, K, generator=gen, dtype=torch.float64)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(B, T, HV, V, generator=gen, dtype=torch.float64)
+    g = torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, T, HV, generator=gen, dtype=torch.float64)
+    A_log = torch.randn(HV, generator=gen, dtype=torch.float64)
+    bias = torch.randn(HV, K, generator=gen, dtype=torch.float64)
+    grads = []
+    for dt_bias in (bias.clone().requires_grad_(), bias.reshape(-1).clone().requires_grad_()):
+        o, _ = fn(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, use_gate_in_kernel=True)
+        (o * torch.linspace(-1, 1, o.numel(), dtype=o.dtype).reshape(o.shape)).sum().backward()
+        assert dt_bias.grad.shape == dt_bias.shape
+        grads.append((o.detach(), dt_bias.grad.reshape(-1)))
+    torch.testing.assert_close(grads[0][0], grads[1][0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[0][1], grads[1][1], rtol=0, atol=0)

@@ -307,6 +307,38 @@ def test_pool_bad_input_is_refused_and_no_slot_changes(case):
     assert torch.equal(pool, before)
 
 
+def test_packed_sequence_longer_than_t_max_is_refused_or_writes_no_state_past_it():
+    """[N, T_max] slots with cu_seqlens: a sequence longer than T_max is refused where
+    cu_seqlens is a CPU tensor; where nothing checks (CUDA), the kernel, like the
+    reference op, writes no state for the tokens past T_max and reads no other
+    sequence's slots for them."""
+    H, G, K, V, S = 1, 1, 16, 16, 5
+    x, cu = _inputs([3, 1], H, G, K, V, torch.float32, seed=71, packed=True)
+    pool = torch.randn(S, H * G, K, V, generator=torch.Generator().manual_seed(72))
+    idx = torch.tensor([[0, -1], [3, 4]])  # sequence 0: 3 tokens, 2 columns
+    before = pool.clone()
+    with torch.no_grad(), pytest.raises(ValueError, match="longest sequence of cu_seqlens, 3, got 2"):
+        fused_recurrent_kda(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=pool, ssm_state_indices=idx,
+                            inplace_final_state=True, cu_seqlens=cu)
+    assert torch.equal(pool, before)
+    want_pool = pool.clone()
+    want_o = torch.ops.kda_op.fused_recurrent_kda_pool_(x["q"], x["k"], x["v"], x["g"], x["beta"], None, want_pool,
+                                                        idx, None, False, None, None, False, None, cu)
+    # the reference: sequence 0 writes slot 0 after its first token only; sequence 1 slot 3
+    assert torch.equal(want_pool[[1, 2, 4]], pool[[1, 2, 4]])
+    if not TRITON_HERE:
+        return
+    from kda_op.triton_kernels import kda_recurrent_pool_triton
+
+    dev = {n: t.to(DEVICE) for n, t in x.items()}
+    got_pool = pool.to(DEVICE)
+    got_o = kda_recurrent_pool_triton(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], None, got_pool,
+                                      idx.to(DEVICE), None, False, cu_seqlens=cu.to(DEVICE))
+    torch.testing.assert_close(got_o.cpu(), want_o, rtol=2e-5, atol=2e-6)  # fp32, another summation order
+    torch.testing.assert_close(got_pool.cpu(), want_pool, rtol=2e-5, atol=2e-6)
+    assert torch.equal(got_pool[[1, 2, 4]].cpu(), pool[[1, 2, 4]])
+
+
 def test_chunk_kda_pool_takes_one_slot_per_sequence():
     x, pool, good, _ = _bad_calls()
     before = pool.clone()

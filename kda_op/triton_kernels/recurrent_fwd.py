@@ -130,7 +130,10 @@ def kda_recurrent_fwd_kernel(
         if POOL:
             b_o = tl.where(live, b_o, 0.0)  # a padding sequence outputs zeros
             if SLOTS_2D:
-                slot_t = tl.load(slots + i_b * slots_stride + t).to(tl.int64)
+                # a token past T_max (slots_stride) has no slot: no write, and no read
+                # into the next sequence's row
+                slot_t = tl.load(slots + i_b * slots_stride + tl.minimum(t, slots_stride - 1)).to(tl.int64)
+                slot_t = tl.where(t < slots_stride, slot_t, -1)
                 tl.store(ht + tl.maximum(slot_t, 0) * slot_size + state_off, b_s,
                          mask=m_live & ((slot_t + 0 * o_k) >= 0)[:, None], cache_modifier=state_store)
         tl.store(o + row_hv * V + o_v, b_o.to(o.dtype.element_ty), mask=m_v, eviction_policy=once)
