@@ -3,6 +3,7 @@ code allocates (forward that keeps its intermediates, then the backward from the
 with its lifetime, so the peak and what is live at it can be read per stage.
 
     python profiling/memory_budget.py [--T 256] [--heads 1] [--head-dim 128] [--scale-to B8-T8192-H16] [--recompute]
+    python profiling/memory_budget.py --scale-to B2-T8192-H8-HV32   # GVA
 
 Runs kda_fwd_triton / kda_bwd_triton under Triton's interpreter on CPU tensors at a
 small shape (the host code allocates the same buffers as on CUDA; the sizes are
@@ -64,8 +65,9 @@ class Tracker:
         self.now -= nbytes
 
 
-def _run(T: int, H: int, K: int, recompute: bool = False) -> Tracker:
-    """One forward (keeping its intermediates unless ``recompute``) and backward at B1-T-H, tracked."""
+def _run(T: int, H: int, K: int, recompute: bool = False, G: int = 1) -> Tracker:
+    """One forward (keeping its intermediates unless ``recompute``) and backward at
+    B1-T-H with G value heads per key head (HV = G * H), tracked."""
     from kda_op.triton_kernels import kda_bwd_triton, kda_fwd_triton
 
     tr = Tracker()
@@ -77,10 +79,10 @@ def _run(T: int, H: int, K: int, recompute: bool = False) -> Tracker:
         dt = torch.bfloat16
         q = torch.randn(1, T, H, K, generator=gen).to(dt)
         k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1).to(dt)
-        v = torch.randn(1, T, H, K, generator=gen).to(dt)
-        g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen)).clamp_min(-5.0)
-        beta = torch.sigmoid(torch.randn(1, T, H, generator=gen)).to(dt)
-        do = torch.randn(1, T, H, K, generator=gen).to(dt)
+        v = torch.randn(1, T, G * H, K, generator=gen).to(dt)
+        g = torch.nn.functional.logsigmoid(torch.randn(1, T, G * H, K, generator=gen)).clamp_min(-5.0)
+        beta = torch.sigmoid(torch.randn(1, T, G * H, generator=gen)).to(dt)
+        do = torch.randn(1, T, G * H, K, generator=gen).to(dt)
         for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("do", do)):
             tr.add(x, f"input {name}")
         tr.stage = "forward"
@@ -101,13 +103,16 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", type=int, default=1)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--scale-to", default="B8-T8192-H16",
-                        help="a shape BbTtHh (HV = H) to scale the buffers to")
+                        help="a shape Bb-Tt-Hh or Bb-Tt-Hh-HVv (GVA: the runs then take HV / H value heads per "
+                             "key head) to scale the buffers to")
     parser.add_argument("--recompute", action="store_true",
                         help="the forward keeps nothing and the backward recomputes (recompute_in_backward=True)")
     args = parser.parse_args(argv)
     H, K, T1 = args.heads, args.head_dim, args.T
-    runs = [_run(T1, H, K, args.recompute), _run(2 * T1, H, K, args.recompute)]
-    b, t, h = (int(x[1:]) for x in args.scale_to.split("-"))
+    parts = args.scale_to.split("-")
+    b, t, h = (int(x[1:]) for x in parts[:3])
+    G = int(parts[3][2:]) // h if len(parts) > 3 else 1
+    runs = [_run(T1, H, K, args.recompute, G), _run(2 * T1, H, K, args.recompute, G)]
     # Each buffer at the peak is a * T + c bytes per head (c: per sequence, as the
     # final state; chunk states grow by T / 64): fitted from the two runs.
     def by_site(tr):  # site (with an occurrence number where a line allocates twice) -> (bytes, stage)
@@ -125,15 +130,16 @@ def main(argv=None) -> int:
         site, n2 = key[0], large[key][0]
         a = (n2 - n1) / T1
         c = n1 - a * T1
-        fitted.append(((a * t + c) * b * h / H, a / H, site, stage))
+        fitted.append(((a * t + c) * b * h / H, a / (H * G), site, stage))
     fitted.sort(key=lambda x: -x[0])
     total = sum(x[0] for x in fitted)
-    print(f"B1-T{T1}/T{2 * T1}-H{H}, K = V = {K}, bf16 inputs (g fp32): peak "
+    print(f"B1-T{T1}/T{2 * T1}-H{H}" + (f"-HV{G * H}" if G > 1 else "") + f", K = V = {K}, bf16 inputs (g fp32): peak "
           f"{runs[0].peak / 2**20:.2f} / {runs[1].peak / 2**20:.2f} MiB; at {args.scale_to}: {total / 2**30:.2f} GiB "
-          f"({total / (b * t * h):.0f} bytes per token and head)")
+          f"({total / (b * t * h * G):.0f} bytes per token and value head)")
     print("peak per stage at T =", T1, "(MiB):", ", ".join(f"{s} {v / 2**20:.2f}"
                                                        for s, v in runs[0].by_stage_peak.items()))
-    print(f"live at the peak ({len(fitted)} buffers) at {args.scale_to}: GiB | bytes per token and head | stage | where")
+    print(f"live at the peak ({len(fitted)} buffers) at {args.scale_to}: GiB | bytes per token and value head | "
+          "stage | where")
     for nbytes, per_token, site, stage in fitted:
         print(f"  {nbytes / 2**30:6.2f} | {per_token:7.0f} | {stage:8s} | {site}")
     return 0
