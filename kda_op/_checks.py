@@ -131,6 +131,9 @@ def _check_cu_seqlens(cu_seqlens: object, cu_seqlens_cpu: object, q: Tensor) -> 
                              f"{tuple(cu_seqlens_cpu.shape)} on {cu_seqlens_cpu.device}")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    if (cu_seqlens_cpu is not None and cu_seqlens.device.type == "cpu" and not torch.compiler.is_compiling()
+            and not torch.equal(cu_seqlens.to(torch.int64), cu_seqlens_cpu.to(torch.int64))):
+        raise ValueError("cu_seqlens_cpu must hold the same offsets as cu_seqlens")
     if B != 1:
         raise ValueError(f"with cu_seqlens the sequences are packed along T: B must be 1, got q of shape "
                          f"{tuple(q.shape)}")
@@ -175,8 +178,10 @@ def check_options(
     flags are bools; ``allow_neg_eigval`` needs ``use_beta_sigmoid_in_kernel``;
     ``use_gate_in_kernel`` needs ``A_log`` [HV] unless ``lower_bound`` is set;
     ``dt_bias`` is [HV * K] (or [HV, K]); with ``safe_gate`` and the gate in the
-    kernel, ``lower_bound`` in [-5, 0); ``chunk_size`` 32 or 64. ``A_log`` or
-    ``dt_bias`` without ``use_gate_in_kernel`` is refused (fla would ignore them)."""
+    kernel, ``lower_bound`` in [-5, 0); ``chunk_size`` 32 or 64 (an int). ``A_log``
+    or ``dt_bias`` without ``use_gate_in_kernel`` is refused (fla would ignore them);
+    ``safe_gate`` and ``lower_bound`` without it are accepted, as fla does, and change
+    nothing (in fla they pick its kernels' path; ours are exact on any gate)."""
     for name, value in (("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
                         ("use_gate_in_kernel", use_gate_in_kernel),
                         ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
@@ -185,7 +190,7 @@ def check_options(
         check_bool(name, value)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError(f"{fn}(): allow_neg_eigval=True requires use_beta_sigmoid_in_kernel=True")
-    if isinstance(chunk_size, bool) or chunk_size not in (32, 64):
+    if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size not in (32, 64):
         raise ValueError(f"{fn}(): chunk_size must be 32 or 64, got {chunk_size!r}")
     if lower_bound is not None:
         if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
