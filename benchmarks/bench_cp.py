@@ -62,14 +62,10 @@ def timed(fn, device) -> float:
 
 
 def peak_bytes(fn, device) -> float:
-    if device.type != "cuda":
-        return float("nan")
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    fn()
-    torch.cuda.synchronize()
-    return torch.cuda.max_memory_allocated() - before
+    """bench_chunk_kda's peak of one call on CUDA; nan elsewhere."""
+    from bench_chunk_kda import peak_step_bytes
+
+    return peak_step_bytes(fn) if device.type == "cuda" else float("nan")
 
 
 def main(argv=None) -> int:

@@ -272,13 +272,12 @@ def check_pool_inputs(q: Tensor, v: Tensor, pool: object, ssm_state_indices: obj
                              f"{num_accepted_tokens.dtype} {tuple(num_accepted_tokens.shape)}")
         if num_accepted_tokens.device != q.device:
             raise ValueError(f"num_accepted_tokens must be on q's device {q.device}, got {num_accepted_tokens.device}")
-    if (idx.dim() == 2 and cu_seqlens is not None and cu_seqlens.device.type == "cpu" and N
-            and not torch.compiler.is_compiling()):
-        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        if longest > idx.shape[1]:
-            raise ValueError(f"ssm_state_indices [N, T_max] needs a column per token: T_max >= the longest "
-                             f"sequence of cu_seqlens, {longest}, got {idx.shape[1]}")
-    if idx.device.type == "cpu" and not torch.compiler.is_compiling():
+    if idx.device.type == "cpu" and not torch.compiler.is_compiling():  # cu_seqlens too: q's device
+        if idx.dim() == 2 and cu_seqlens is not None and N:
+            longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            if longest > idx.shape[1]:
+                raise ValueError(f"ssm_state_indices [N, T_max] needs a column per token: T_max >= the longest "
+                                 f"sequence of cu_seqlens, {longest}, got {idx.shape[1]}")
         num_slots = pool.shape[0]
         if idx.numel() and int(idx.max()) >= num_slots:
             raise ValueError(f"ssm_state_indices holds slot {int(idx.max())}, past the pool's {num_slots} slots")

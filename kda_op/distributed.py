@@ -58,7 +58,7 @@ def _all_gather_plain(x: Tensor, group) -> Tensor:
 def packed_slice(T: int, cu_seqlens: Tensor, group, device: torch.device) -> dict:
     """Where this rank's T tokens lie in a packed batch cut over the ranks of
     ``group`` (in rank order), from an all-gather of the slice lengths (no host sync):
-    ``lengths`` [world] and ``starts`` [world] of every rank's slice, this rank's
+    ``lengths`` and ``ends`` [world] of every rank's slice, this rank's
     ``start`` (0-d), ``local_cu`` [N + 1] (the global offsets clamped to this slice:
     sequence n's part here, empty where it misses the slice) and ``first_seq`` (0-d:
     the sequence holding this slice's first token; N - 1 or past it for an empty
@@ -66,10 +66,11 @@ def packed_slice(T: int, cu_seqlens: Tensor, group, device: torch.device) -> dic
     world = dist.get_world_size(group)
     cu = cu_seqlens.to(torch.int64)
     lengths = _all_gather_plain(torch.full((1,), T, dtype=torch.int64, device=device), group).reshape(world)
-    starts = lengths.cumsum(0) - lengths
-    start = starts[dist.get_rank(group)]
+    ends = lengths.cumsum(0)
+    rank = dist.get_rank(group)
+    start = ends[rank] - lengths[rank]
     first_seq = torch.searchsorted(cu, start.reshape(1), right=True).reshape(()) - 1
-    return dict(cu=cu, lengths=lengths, starts=starts, start=start, local_cu=(cu - start).clamp(0, T),
+    return dict(cu=cu, lengths=lengths, ends=ends, start=start, local_cu=(cu - start).clamp(0, T),
                 first_seq=first_seq)
 
 
@@ -219,8 +220,8 @@ def _chunk_kda_cp_varlen(q, k, v, g, beta, group, initial_state, output_final_st
     HV, V = v.shape[2], v.shape[3]
     rank = dist.get_rank(group)
     place = packed_slice(T, cu_seqlens, group, q.device)
-    cu, lengths, start, local_cu, first_seq = (place[n] for n in ("cu", "lengths", "start", "local_cu", "first_seq"))
-    ends = place["starts"] + lengths
+    cu, lengths, ends, start, local_cu, first_seq = (
+        place[n] for n in ("cu", "lengths", "ends", "start", "local_cu", "first_seq"))
     if offsets is not None and lengths.device.type == "cpu":  # gloo: the lengths are on the host already
         total = int(ends[-1])
         if offsets[-1] != total:
