@@ -156,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     res = names[residual_dtype(dtype)]
     cs = names[chunk_states_dtype(dtype, "cuda")]
     aq = names[aqk_dtype(dtype)]
+    dsc = "*bf16" if S.BF16_DSTATES and args.dtype == "bf16" else f32  # dS_C, as bwd.py allocates it
     prec, steep_prec = _dot_precision(dtype), _steep_dot_precision(dtype)  # as the host code passes them
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     scale_type = args.scale_type
@@ -198,13 +199,13 @@ def main(argv: list[str] | None = None) -> int:
          dict(common, **varlen, BK=s["BK"], BV=S.BV_OUTPUT or s["BV"], DOT_PREC=prec,
               BF16_DOTS=S.OUTPUT_BF16_DOTS and args.dtype == "bf16"), S.OUTPUT_WARPS, 3),
         (state_bwd.kda_state_bwd_prep_kernel,
-         dict(**vl_chunk, qg=op, w=op, u=res, aqk=aq, chunk_states=cs, do=x, up=res, dup=f32, dchunk_states=f32, **ints),
+         dict(**vl_chunk, qg=op, w=op, u=res, aqk=aq, chunk_states=cs, do=x, up=res, dup=f32, dchunk_states=dsc, **ints),
          dict(common, **varlen, BK=s["BK"], BV=s["BV"], HAS_UP=True, DOT_PREC=prec), 8, 3),
         (state_bwd.kda_state_bwd_kernel,
-         dict(**vl_seq, kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=f32, dh0=f32, **ints),
+         dict(**vl_seq, kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=dsc, dh0=f32, **ints),
          dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), S.SCAN_WARPS, s["SCAN_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
-         dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=f32, do=x,
+         dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, scale="fp32", **ints),
          dict(common, **varlen, BKS=S.BKS_W, BV=s["BV"], DOT_PREC=prec), S.INTRA_BWD_W_WARPS, 1),
         (intra_bwd.kda_intra_bwd_kernel,

@@ -135,7 +135,7 @@ def chunk_kda_bwd(
     """KDA backward from the grads of o (``do``) and of the final state (``dht``,
     ``None`` for zero). Returns ``(dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias)``;
     dq and dk are already reduced from the HV value heads to the H key heads;
-    dA_log and ddt_bias are empty unless ``use_gate`` and the parameter is given
+    dh0 is empty ([0]) without an initial state; dA_log and ddt_bias are empty unless ``use_gate`` and the parameter is given
     (dg is then the raw gate's grad). ``intermediates``: what ``chunk_kda_fwd``
     kept (the CUDA kernels then skip their recompute); ``None`` or empty to
     recompute."""

@@ -99,7 +99,9 @@ def kda_backward_reference(
     (``dht``, ``None`` meaning zero).
 
     Returns ``(dq, dk, dv, dg, dbeta, dh0)``, each in the dtype of its input;
-    ``dh0`` is in the state dtype when there is no initial state.
+    ``dh0`` is empty ([0], the state dtype) when there is no initial state (no
+    grad to give; the CUDA kernels then skip it, which matters with many packed
+    sequences).
     """
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
@@ -159,14 +161,13 @@ def kda_backward_reference(
     # Step 6: GVA reduction back to the H query/key heads.
     dq = dq_e.view(B, T, H, group, K).sum(3) * scale
     dk = dk_e.view(B, T, H, group, K).sum(3)
-    dh0_dtype = acc if initial_state is None else initial_state.dtype
     return (
         dq.to(q.dtype).contiguous(),
         dk.to(k.dtype).contiguous(),
         dv.to(v.dtype),
         dg.to(g.dtype),
         dbeta.to(beta.dtype),
-        dS.to(dh0_dtype).contiguous(),
+        q.new_empty((0,), dtype=acc) if initial_state is None else dS.to(initial_state.dtype).contiguous(),
     )
 
 
@@ -294,13 +295,15 @@ def kda_backward_reference_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
                                   scale: Optional[float], initial_state: Optional[Tensor], chunk_states: Tensor,
                                   do: Tensor, dht: Optional[Tensor], cu_seqlens: Tensor):
     """``kda_backward_reference`` over packed sequences (layout of
-    ``kda_forward_reference_varlen``): ``(dq, dk, dv, dg, dbeta, dh0 [N, ...])``."""
+    ``kda_forward_reference_varlen``): ``(dq, dk, dv, dg, dbeta, dh0 [N, ...])``
+    (dh0 empty without an initial state)."""
     bounds = _bounds(cu_seqlens)
     N = len(bounds) - 1
     grads = [x.new_empty(x.shape) for x in (q, k, v, g, beta)]  # contiguous, as the fake kernels say
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     acc = state_dtype(q.dtype)
-    dh0 = q.new_empty((N, HV, K, V), dtype=acc if initial_state is None else initial_state.dtype)
+    dh0 = q.new_empty((N, HV, K, V) if initial_state is not None else (0,),
+                      dtype=acc if initial_state is None else initial_state.dtype)
     slot = 0
     for n in range(N):
         a, b = bounds[n], bounds[n + 1]
@@ -311,7 +314,8 @@ def kda_backward_reference_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
                                        None if dht is None else dht[n:n + 1])
         for grad, part in zip(grads, parts[:5]):
             grad[:, a:b] = part
-        dh0[n] = parts[5][0]
+        if initial_state is not None:
+            dh0[n] = parts[5][0]
         slot += boundaries
     return (*grads, dh0)
 

@@ -408,19 +408,21 @@ BF16_DOT_SETTINGS = ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "WU_BF16_DOTS")
                                        ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_RESIDUALS"),
                                        ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_CHUNK_STATES"),
                                        ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_AQK"),
+                                       ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_DSTATES"),
                                        ("SCAN_BF16_DOTS", "OUTPUT_BF16_DOTS", "BF16_RESIDUALS", "BF16_CHUNK_STATES",
-                                        "BF16_AQK")])
+                                        "BF16_AQK", "BF16_DSTATES")])
 def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
     """bf16 inputs: W, Qg and Kr are kept in bf16 between the kernels (the scans'
     operand dtype); o and the grads come back in bf16. With TF32 dots, with bf16
     operands in each group of dots that has the option (settings.*_BF16_DOTS), and
     with U and U' in bf16 (_contract.BF16_RESIDUALS), with the chunk states in bf16
-    (_contract.BF16_CHUNK_STATES), with A_qk in bf16 (_contract.BF16_AQK)."""
+    (_contract.BF16_CHUNK_STATES), with A_qk in bf16 (_contract.BF16_AQK), with the
+    backward's dS_C in bf16 (settings.BF16_DSTATES)."""
     from kda_op.triton_kernels import settings
 
     from kda_op import _contract
 
-    for name in BF16_DOT_SETTINGS:
+    for name in BF16_DOT_SETTINGS + ("BF16_DSTATES",):
         monkeypatch.setattr(settings, name, int(name in bf16_dots))
     # U and U' kept in bf16 (the kept intermediates' layout changes with it); the
     # chunk states in bf16

@@ -92,8 +92,11 @@ def chunk_kda_bwd_fake(
     dv = v.new_empty(v.shape)
     dg = g.new_empty(g.shape)
     dbeta = beta.new_empty(beta.shape)
-    dh0_dtype = state_dtype(q.dtype) if initial_state is None else initial_state.dtype
-    dh0 = q.new_empty((B, HV, K, V), dtype=dh0_dtype)
+    # no initial state: no grad of it (empty; fla returns None)
+    if initial_state is None:
+        dh0 = q.new_empty((0,), dtype=state_dtype(q.dtype))
+    else:
+        dh0 = q.new_empty((B, HV, K, V), dtype=initial_state.dtype)
     # the gate parameters' grads: empty unless the gate is on and the parameter given
     dA_log = A_log.new_empty(A_log.shape) if use_gate and A_log is not None else q.new_empty((0,), dtype=torch.float32)
     ddt_bias = (dt_bias.new_empty(dt_bias.shape) if use_gate and dt_bias is not None

@@ -59,7 +59,10 @@ def kda_bwd_triton(
         return q.new_empty(0, dtype=torch.float32)
 
     if s["NSEQ"] * HV == 0 or T == 0:
-        dh0 = (torch.zeros(s["NSEQ"], HV, K, V, **f32) if dht is None else dht.to(torch.float32).clone())
+        if initial_state is None:  # no initial state: no grad of it (empty, as the fake kernel says)
+            dh0 = q.new_empty(0, dtype=torch.float32)
+        else:
+            dh0 = (torch.zeros(s["NSEQ"], HV, K, V, **f32) if dht is None else dht.to(torch.float32).clone())
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
                 torch.zeros_like(beta), dh0.to(dh0_dtype),
                 empty() if A_log is None else torch.zeros_like(A_log),
@@ -77,9 +80,12 @@ def kda_bwd_triton(
     # by the prep kernel below
     up = x["up"] if "up" in x else torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     dup = torch.empty(B, T, HV, V, **f32)
-    dchunk_states = torch.empty(B, NC, HV, K, V, **f32)
-    dh0 = torch.empty(s["NSEQ"], HV, K, V, **f32)
-    dht_arg = dht.contiguous() if dht is not None else dh0
+    dchunk_states = torch.empty(B, NC, HV, K, V, device=q.device,
+                                dtype=torch.bfloat16 if S.BF16_DSTATES and q.dtype == torch.bfloat16 else torch.float32)
+    # the initial state's grad only where there is one (empty otherwise: fla returns None)
+    dh0 = torch.empty(s["NSEQ"], HV, K, V, **f32) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
+    dht_arg = dht.contiguous() if dht is not None else dup  # a stand-in, never read without HAS_DHT
+    dh0_arg = dh0 if initial_state is not None else dup  # likewise without HAS_DH0
     with record_function("kda_op::bwd::state_scan"):
         kda_state_bwd_prep_kernel[(triton.cdiv(V, s["BV"]), NC, B * HV)](
             x["qg"], x["w"], x["u"], aqk, chunk_states, do,
@@ -90,10 +96,11 @@ def kda_bwd_triton(
         )
         kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), s["NSEQ"] * HV)](
             x["kr"], x["w"], gam, dht_arg,
-            dup, dchunk_states, dh0,
+            dup, dchunk_states, dh0_arg,
             *s["VL_SEQ"], T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_DHT=dht is not None, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
+            HAS_DHT=dht is not None, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None,
+            INTERPRET=_INTERPRET,
             num_warps=S.SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
 

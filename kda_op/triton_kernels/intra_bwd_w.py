@@ -82,7 +82,7 @@ def kda_intra_bwd_w_kernel(
         sv = o_s[:, None] * V + o_v[None, :]
         m_sv = m_s[:, None] & m_v[None, :]
         b_s0 = tl.load(s0_base + sv, mask=m_sv, other=0.0).to(tl.float32)
-        b_dsc = tl.load(dsc_base + sv, mask=m_sv, other=0.0)
+        b_dsc = tl.load(dsc_base + sv, mask=m_sv, other=0.0).to(tl.float32)
         b_dqg += tl.dot(b_do, tl.trans(b_s0), input_precision=DOT_PREC)
         b_dkr += tl.dot(b_up, tl.trans(b_dsc), input_precision=DOT_PREC)
         b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)

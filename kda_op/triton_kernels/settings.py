@@ -90,6 +90,14 @@ BKS = 32
 # 4 of them). 32 -> 64 (with 8 warps below) for that memory: 0.5 GiB less; the
 # kernel's spills at bf16, K = 128 492 -> 88 bytes (kernel_resources.py).
 BKS_W = 64
+# dS_C, the grad of each chunk's leaving state (the backward's [NC, HV, K, V]
+# buffer, also the prep kernel's Qg^T dO of the chunk), in bf16 for bf16 inputs
+# instead of fp32, as fla keeps its dh in the input dtype: half its bytes (0.5
+# GiB less at B8-T8192-H16, 1.5 GiB at 2048 packed sequences of 16 heads).
+# Each chunk's entry is rounded once where it is stored; the reverse scan carries
+# dS in fp32 registers, so the rounding does not accumulate over the chunks.
+# fp32 and fp16 inputs keep fp32. 0 restores fp32.
+BF16_DSTATES = 1
 # K slices of the backward through the A's, one program each: BKD_A on the
 # common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
 BKD_A = 32

@@ -79,7 +79,8 @@ def kda_state_bwd_prep_kernel(
                   mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0).to(tl.float32)
     tl.store(dup + row_v, tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PREC), mask=m_tv)
     b_qg = tl.load(qg + row_k, mask=m_tk, other=0.0).to(tl.float32)
-    tl.store(dchunk_states + state_off, tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC), mask=m_kv)
+    tl.store(dchunk_states + state_off,
+             as_stored(tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC), dchunk_states, INTERPRET), mask=m_kv)
 
 
 @triton.jit
@@ -92,8 +93,11 @@ def kda_state_bwd_kernel(
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True, INTERPRET: tl.constexpr = False,
 ):
+    # HAS_DH0: write dS entering the first chunk (the initial state's grad); off
+    # without an initial state (dh0 a stand-in then: [N, HV, K, V] fp32 unwritten,
+    # 2 GiB at 2048 packed sequences of 16 heads).
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT,
@@ -136,9 +140,9 @@ def kda_state_bwd_kernel(
         # Qg^T dO from the prep kernel sits in the slot this chunk's dS_C goes to: use it
         # (so a prefetched copy of it has landed) and pass a barrier before the store.
         b_glast = tl.load(gam + (r0 + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-        b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds, mask=m_kv, other=0.0)
+        b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds, mask=m_kv, other=0.0).to(tl.float32)
         tl.debug_barrier()
-        tl.store(p_ds, b_ds, mask=m_kv)
+        tl.store(p_ds, as_stored(b_ds, dchunk_states, INTERPRET), mask=m_kv)
 
         b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
         b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
@@ -148,4 +152,5 @@ def kda_state_bwd_kernel(
         tl.store(p_dup, b_dup, mask=m_tv)
         b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
 
-    tl.store(dh0 + state_off, b_ds, mask=m_kv)
+    if HAS_DH0:
+        tl.store(dh0 + state_off, b_ds, mask=m_kv)
