@@ -360,6 +360,50 @@ def test_triton_results_never_show_uninitialised_memory(B, T, H, G, K, V, dtype,
         assert torch.equal(_bytes(a), _bytes(b)), f"result {i} depends on uninitialised memory"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_triton_varlen_results_never_show_uninitialised_memory(dtype, with_h0, monkeypatch):
+    """As above for packed sequences with fla's in-kernel gate: the chunk slots past
+    the last sequence's chunks (the no-sync bound T // 64 + N) are skipped by the
+    chunk-parallel kernels, yet every returned byte (the kept intermediates' steep
+    flags, the zeroed chunk-state slots, dA_log / ddt_bias summed over every slot's
+    partial sums) and every grad is the same whatever the fresh allocations held;
+    without an initial state dh0 is empty."""
+    lengths = [1, 64, 5, 130]  # 6 chunks of 7 slots; one of a single row, one full
+    T, N, HV, K, V = sum(lengths), len(lengths), 2, 32, 16
+    cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
+    gen = torch.Generator().manual_seed(17)
+    q = torch.randn(1, T, 1, K, generator=gen).to(DEVICE, dtype)
+    k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen), dim=-1).to(DEVICE, dtype)
+    v = torch.randn(1, T, HV, V, generator=gen).to(DEVICE, dtype)
+    g = torch.randn(1, T, HV, K, generator=gen).to(DEVICE, dtype)  # the raw gate
+    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen)).to(DEVICE, dtype)
+    h0 = torch.randn(N, HV, K, V, generator=gen).to(DEVICE) if with_h0 else None
+    gate = (torch.randn(HV, generator=gen).to(DEVICE), torch.randn(HV * K, generator=gen).to(DEVICE), -5.0)
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def run(fill: int) -> list:
+        monkeypatch.setattr(torch, "empty", lambda *a, **kw: _filled(real_empty(*a, **kw), fill))
+        monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _filled(real_empty_like(*a, **kw), fill))
+        results = []
+        for keep in (True, False):
+            o, ht, cs, kept = kda_fwd_triton(q, k, v, g, beta, None, h0, keep_intermediates=keep, gate=gate,
+                                             cu_seqlens=cu)
+            rng = torch.Generator().manual_seed(3 + keep)
+            do = torch.randn(o.shape, generator=rng).to(DEVICE, o.dtype)
+            dht = torch.randn(ht.shape, generator=rng).to(DEVICE)
+            grads = kda_bwd_triton(q, k, v, g, beta, None, h0, cs, do, dht, kept, gate=gate, cu_seqlens=cu)
+            assert (grads[5].shape == (N, HV, K, V)) if with_h0 else grads[5].numel() == 0
+            results += [o, ht, cs, kept, *grads]
+        monkeypatch.undo()
+        return results
+
+    first, second = run(0x00), run(0xFF)
+    for i, (a, b) in enumerate(zip(first, second)):
+        assert torch.equal(_bytes(a), _bytes(b)), f"result {i} depends on uninitialised memory"
+    assert all(torch.isfinite(x.float()).all() for x in first[4:12]), "non-finite grads"
+
+
 def _filled(x: torch.Tensor, byte: int) -> torch.Tensor:
     if x.is_contiguous() and x.numel():
         x.view(torch.uint8).fill_(byte)

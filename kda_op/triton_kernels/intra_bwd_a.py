@@ -102,6 +102,13 @@ def kda_intra_bwd_a_kernel(
     else:  # unread without the gate
         b_ga = 0.0
         b_gbias = 0.0
+    if IS_VARLEN:
+        if T <= 0:  # an unused chunk slot: nothing to compute; zero gate partial sums (the host sums every slot)
+            if GATE:
+                if not STEEP:
+                    tl.store(ddt_part + o_s, tl.zeros([BKD], dtype=tl.float32), mask=m_s)
+                    tl.store(dla_part + o_s, tl.zeros([BKD], dtype=tl.float32), mask=m_s)
+            return
     if not STEEP:
         if tl.load(steep + g_c * HV + i_hv) == 0:
             # Split at the middle row m as the forward did: every factor lies within

@@ -42,6 +42,9 @@ def kda_state_bwd_prep_kernel(
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    if IS_VARLEN:
+        if T <= 0:  # an unused chunk slot (past the last sequence's chunks): nothing to compute
+            return
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     qg += (bos * HV + i_hv) * K
