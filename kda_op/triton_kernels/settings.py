@@ -190,6 +190,9 @@ RECURRENT_MAX_T = 16
 # the H200 with these; benchmarks/bench_decode.py --settings times others. Timed
 # and slower (graph replay at B = 64, 2026-11-30): BV 64 (80.9 us vs 75.7), BV 16
 # (88.2 vs 75.8), eight warps (81.4), two warps (78.9), BV 16 with two (76.6).
+# The pool step (POOL mode, bench_pool.py, 2026-12-01) is slower under every other
+# value tried too: BV 16, BV 64 at 8 warps, a register cap of 128 or 96, the stream
+# hints (benchmarks/RESULTS_pool.md).
 RECURRENT_BV = 32
 RECURRENT_WARPS = 4
 # A cap on its registers per thread (None: the compiler's 150, i.e. three CTAs of
