@@ -70,3 +70,16 @@ def all_gather_autograd():
     import torch.distributed._functional_collectives as fc
 
     return getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+
+
+def wrap_triton(fn):
+    """``torch.library.wrap_triton(fn)``, except that a kernel of Triton's interpreter
+    (TRITON_INTERPRET=1 makes ``@triton.jit`` give an ``InterpretedFunction``, which
+    launches eagerly on CPU tensors) comes back as it is: torch 2.13 does that itself,
+    torch 2.11 raises 'wrap_triton only works on functions annotated with triton.jit'."""
+    from torch.library import wrap_triton as torch_wrap_triton
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(fn, InterpretedFunction):
+        return fn
+    return torch_wrap_triton(fn)

@@ -62,3 +62,17 @@ def test_interpreter_numpy_problem(monkeypatch, triton_version, numpy_version, r
     assert (problem is not None) == refused
     if refused:
         assert triton_version in problem and numpy_version in problem
+
+
+def test_wrap_triton_leaves_an_interpreted_kernel_as_it_is():
+    """Under TRITON_INTERPRET=1 (how CPU CI runs the kernels) ``@triton.jit`` gives an
+    InterpretedFunction: the shim hands it back unwrapped on every torch (torch 2.11's
+    own wrap_triton raised for it; torch 2.13's returns it as it is)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreter's kernels only")
+    from kda_op.triton_kernels.zero_slots import kda_zero_slots_kernel
+
+    assert _compat.wrap_triton(kda_zero_slots_kernel) is kda_zero_slots_kernel
+    from kda_op.triton_kernels import _host
+
+    assert _host._kernel(kda_zero_slots_kernel, traced=True) is kda_zero_slots_kernel

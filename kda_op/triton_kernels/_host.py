@@ -92,7 +92,7 @@ def _kernel(fn, traced: bool):
     export op), ``fn`` wrapped so the launch is captured as a graph node. Outside
     tracing the wrapped kernel launches as it is."""
     if traced:
-        from torch.library import wrap_triton
+        from .._compat import wrap_triton
 
         return wrap_triton(fn)
     return fn
