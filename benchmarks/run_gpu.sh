@@ -6,6 +6,7 @@
 #   bash benchmarks/run_gpu.sh flags-verify   # every test, then the flags rows below and ours on
 #                                      # the standard shapes (after a kernel change)
 #   bash benchmarks/run_gpu.sh flags-check    # the same, shorter: the chunked kernels' CUDA tests
+#   bash benchmarks/run_gpu.sh kernel-tests   # test_cuda.py and test_triton_kernels.py alone
 #   VARIANTS="A=1" bash benchmarks/run_gpu.sh serve  # the pool and serving tests, steep-kernel tests,
 #                                      # bench_pool.py, serve_demo on CUDA, the layer row
 #   bash benchmarks/run_gpu.sh cp      # (nvidia-h200-x2) context parallel: cp_demo --check, bench_cp.py
@@ -149,6 +150,18 @@ flags-verify)
         >> "$LOG" 2>&1
     step "ours alone, standard shapes"
     timeout "${STANDARD_LIMIT:-60}" python3 benchmarks/bench_chunk_kda.py --impl ours --rounds 2 --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32} >> "$LOG" 2>&1
+    ;;
+kernel-tests)
+    # One call: the chunked kernels' CUDA test files alone (test_cuda.py, test_triton_kernels.py
+    # in four processes), which did not finish in 300-500 s beside the other groups (2026-12-01)
+    step "CUDA tests of the chunked kernels, nothing else running"
+    L=${TEST_LIMIT:-540}
+    BIG="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" > "$TLOGS/t4.txt" 2>&1 &
+    collect_tests
     ;;
 flags-check)
     # One shorter call after a change to the chunked kernels: their CUDA tests and
