@@ -482,9 +482,12 @@ def test_varlen_chunk_states_layout():
     assert slot < cs.shape[1] and (cs[0, slot:] == 0).all()
 
 
-def test_triton_varlen_matches_reference():
+@pytest.mark.parametrize("with_h0,with_dht", [(True, True), (False, False), (True, False)])
+def test_triton_varlen_matches_reference(with_h0, with_dht):
     """Every kernel with IS_VARLEN (forward, both backwards, the gate), against the
-    reference op on the same packed sequences, fp32."""
+    reference op on the same packed sequences, fp32; with and without initial states
+    and a grad of the final states (without: the backward scan takes each sequence's
+    last chunk apart, and dh0 is empty without initial states)."""
     device = _triton_or_skip()
     from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import kda_bwd_triton, kda_fwd_triton, kda_recurrent_fwd_triton
@@ -496,9 +499,10 @@ def test_triton_varlen_matches_reference():
     gate = ("lb", -5.0)
     cpu_args = [x[n] for n in ("q", "k", "v", "g", "beta")]
     args = [t.to(device) for t in cpu_args]
-    h0, cu_d = x["initial_state"].to(device), cu.to(device)
+    h0_cpu = x["initial_state"] if with_h0 else None
+    h0, cu_d = (None if h0_cpu is None else h0_cpu.to(device)), cu.to(device)
     gate_d = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in _gate_tuple(x, gate))
-    want = _reference_fwd(*cpu_args, None, x["initial_state"], _gate_tuple(x, gate), cu)
+    want = _reference_fwd(*cpu_args, None, h0_cpu, _gate_tuple(x, gate), cu)
     for keep in (False, True):
         got = kda_fwd_triton(*args, None, h0, keep, gate=gate_d, cu_seqlens=cu_d)
         for name, a, b in zip(("o", "final_state", "chunk_states"), got, want):
@@ -507,10 +511,12 @@ def test_triton_varlen_matches_reference():
     kept = got[3]
     gen = torch.Generator().manual_seed(6)
     do, dht = torch.randn(want[0].shape, generator=gen), torch.randn(want[1].shape, generator=gen)
-    grads_ref = _reference_bwd(*cpu_args, None, x["initial_state"], want[2], do, dht, _gate_tuple(x, gate), cu)
+    dht = dht if with_dht else None
+    grads_ref = _reference_bwd(*cpu_args, None, h0_cpu, want[2], do, dht, _gate_tuple(x, gate), cu)
+    assert (grads_ref[5].numel() > 0) == with_h0
     for intermediates in (None, kept):
-        grads = kda_bwd_triton(*args, None, h0, got[2], do.to(device), dht.to(device), intermediates, gate=gate_d,
-                               cu_seqlens=cu_d)
+        grads = kda_bwd_triton(*args, None, h0, got[2], do.to(device), None if dht is None else dht.to(device),
+                               intermediates, gate=gate_d, cu_seqlens=cu_d)
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), grads, grads_ref):
             assert a.shape == b.shape, name
             torch.testing.assert_close(a.cpu(), b, **FP32_TOL, msg=lambda m: f"{name}: {m}")
