@@ -80,7 +80,20 @@ def kda_state_fwd_kernel(
     o_r = tl.arange(0, BT)
     row_k = (o_r[:, None]) * (HV * K) + o_k[None, :]
     row_v = (o_r[:, None]) * (HV * V) + o_v[None, :]
-    for i_c in range(NC):
+    # Packed sequences without initial states (training): the first chunk starts from
+    # zero, so U' = U and S_C = Kr^T U' need neither W nor a dot with S0; that chunk is
+    # taken here, out of the loop (a one-chunk sequence: short packed sequences). Not for
+    # equal-length batches, whose loop it would lengthen for the one chunk in NC it saves.
+    PEEL: tl.constexpr = IS_VARLEN and not HAS_H0
+    if PEEL:
+        if NC > 0:
+            tl.store(chunk_states + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
+            m_t = o_r < T
+            b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+            b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+            tl.store(up + row_v, as_stored(b_u, up, INTERPRET), mask=m_t[:, None] & m_v[None, :])
+            b_s = dot(tl.trans(b_kr), b_u, BF16_DOTS, DOT_PREC, INTERPRET)
+    for i_c in range(1 if PEEL else 0, NC):
         tl.store(chunk_states + i_c * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
         r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
         m_t = i_c * BT + o_r < T
