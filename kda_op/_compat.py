@@ -1,12 +1,14 @@
 """What differs between the torch and Triton versions kda-op is tested on.
 
-Tested: torch 2.11 with Triton 3.6 (the H200 machine), torch 2.13 with Triton
-3.6 and with Triton 3.9 (CPU CI, both). Each shim says which versions it
+Tested: torch 2.11 with Triton 3.6 (the H200 machine and CPU CI), torch 2.13
+with Triton 3.9 (CPU CI). Each shim says which versions it
 bridges. Kernel code itself is written in forms every tested Triton accepts
 (e.g. ``intra_a_fwd.py``'s block-shaped row mask), so it needs no shim here.
 """
 
 from __future__ import annotations
+
+import torch
 
 
 def ptxas_path(arch: int) -> str:
@@ -83,3 +85,22 @@ def wrap_triton(fn):
     if isinstance(fn, InterpretedFunction):
         return fn
     return torch_wrap_triton(fn)
+
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def contiguous_grad(x):
+    """``x`` unchanged, its incoming gradient made contiguous on the way back. torch
+    2.11's all-gather backward (a reduce-scatter) refuses a non-contiguous gradient
+    ('Expected input.is_contiguous()'), as a ``.sum(0)`` over the gathered ranks
+    hands it (an expand); torch 2.13 copies it itself."""
+    return _ContiguousGrad.apply(x)

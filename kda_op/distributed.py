@@ -36,29 +36,14 @@ def init_from_torchrun(device: str) -> torch.device:
     return torch.device("cpu")
 
 
-class _ContiguousGrad(torch.autograd.Function):
-    """The identity, whose backward makes the incoming gradient contiguous. torch
-    2.11's all-gather backward (a reduce-scatter) refuses a non-contiguous
-    gradient ('Expected input.is_contiguous()'), as a ``.sum(0)`` over the gathered
-    ranks hands it (an expand); torch 2.13 copies it itself."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor) -> Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor) -> Tensor:
-        return grad.contiguous()
-
-
 def _all_gather(x: Tensor, group) -> Tensor:
     """``[world, *x.shape]``: every rank's ``x``, differentiable (the backward sums
     each rank's gradient of the gathered tensor and hands every rank its part)."""
     from torch.distributed._functional_collectives import wait_tensor
 
-    from ._compat import all_gather_autograd
+    from ._compat import all_gather_autograd, contiguous_grad
 
-    return _ContiguousGrad.apply(wait_tensor(all_gather_autograd()(x.unsqueeze(0).contiguous(), 0, group)))
+    return contiguous_grad(wait_tensor(all_gather_autograd()(x.unsqueeze(0).contiguous(), 0, group)))
 
 
 def _all_gather_plain(x: Tensor, group) -> Tensor:

@@ -10,8 +10,10 @@ global chunk index, and the chunk states (each sequence's NC_n + 1 boundaries)
 start at ``chunk_offsets[n] + n``. Chunk-parallel kernels run one program per
 slot of NCB; ``chunk_index`` [NCB, 2] says which (sequence, chunk) a slot holds,
 (-1, 0) for a slot beyond the last chunk, whose program sees a sequence of
-length 0: every masked load and store is off and the rest writes only that
-slot's own entries.
+length 0 (T_c = 0; a used slot always has T_c >= 1): the chunk-parallel kernels
+return at once there, but for what an op output or a host-side sum over the slots
+needs (gam_fwd still writes the slot's zero gam, intra_a_fwd first its steep flag
+0, intra_bwd_a its zero gate partial sums).
 
 64-bit offsets: the base of every tensor moves once per program in 64-bit, to
 the chunk (chunk-parallel kernels) or, per chunk or token, inside the loop of a

@@ -60,7 +60,7 @@ def kda_bwd_triton(
 
     if s["NSEQ"] * HV == 0 or T == 0:
         if initial_state is None:  # no initial state: no grad of it (empty, as the fake kernel says)
-            dh0 = q.new_empty(0, dtype=torch.float32)
+            dh0 = empty()
         else:
             dh0 = (torch.zeros(s["NSEQ"], HV, K, V, **f32) if dht is None else dht.to(torch.float32).clone())
         return (torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v), torch.zeros_like(g),
@@ -83,7 +83,7 @@ def kda_bwd_triton(
     dchunk_states = torch.empty(B, NC, HV, K, V, device=q.device,
                                 dtype=torch.bfloat16 if S.BF16_DSTATES and q.dtype == torch.bfloat16 else torch.float32)
     # the initial state's grad only where there is one (empty otherwise: fla returns None)
-    dh0 = torch.empty(s["NSEQ"], HV, K, V, **f32) if initial_state is not None else q.new_empty(0, dtype=torch.float32)
+    dh0 = torch.empty(s["NSEQ"], HV, K, V, **f32) if initial_state is not None else empty()
     dht_arg = dht.contiguous() if dht is not None else dup  # a stand-in, never read without HAS_DHT
     dh0_arg = dh0 if initial_state is not None else dup  # likewise without HAS_DH0
     with record_function("kda_op::bwd::state_scan"):
