@@ -137,7 +137,7 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
     number of bytes. Each piece starts on a 256-byte boundary. Empty (0 bytes)
     where the reference serves the op, which keeps none. Sizes may be symbolic.
 
-      gam  [B, NC*C, HV, K] fp32   cumulative log decay in each chunk (padded rows)
+      gam  [B, T, HV, K] fp32      cumulative log decay in each chunk
       akk, aqk, tm  [B, T, HV, C] fp32   the chunk's A_kk, A_qk and (I + diag(beta) A_kk)^-1
                                    (aqk_dtype: bf16 for bf16 inputs under BF16_AQK)
       u    [B, T, HV, V] fp32      Tm diag(beta) V        (residual_dtype: bf16 for bf16 inputs)
@@ -145,8 +145,8 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
       qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
       steep [B, NC, HV] int32      which chunks took the steep path
 
-    ``num_seqs``: N packed sequences (``cu_seqlens``, B = 1): NC is then the
-    bound ``varlen_chunk_slots(T, N)``.
+    ``num_seqs``: N packed sequences (``cu_seqlens``, B = 1): NC (steep's chunk
+    count) is then the bound ``varlen_chunk_slots(T, N)``.
     """
     if not chunked_kernels_serve(device_type, input_dtype):
         return [], 0
@@ -154,7 +154,7 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
     C = CHUNK_SIZE
     operand = scan_operand_dtype(input_dtype)
     pieces = [
-        ("gam", (B, NC * C, HV, K), torch.float32),
+        ("gam", (B, T, HV, K), torch.float32),
         ("akk", (B, T, HV, C), torch.float32),
         ("aqk", (B, T, HV, C), aqk_dtype(input_dtype)),
         ("tm", (B, T, HV, C), torch.float32),

@@ -5,15 +5,21 @@ IS_VARLEN, for sequences packed along T (B = 1, ``cu_seqlens`` [N + 1]).
 Packed sequences never share a chunk: sequence n's chunks are numbered
 globally from ``chunk_offsets[n]`` (the chunks of the sequences before it), so
 per-chunk buffers ([NCB, HV, ...], NCB = T // BT + N slots, an upper bound on
-the chunk count that needs no host sync) and the padded gam buffer take the
-global chunk index, and the chunk states (each sequence's NC_n + 1 boundaries)
+the chunk count that needs no host sync) take the global chunk index, and the
+chunk states (each sequence's NC_n + 1 boundaries)
 start at ``chunk_offsets[n] + n``. Chunk-parallel kernels run one program per
 slot of NCB; ``chunk_index`` [NCB, 2] says which (sequence, chunk) a slot holds,
 (-1, 0) for a slot beyond the last chunk, whose program sees a sequence of
 length 0 (T_c = 0; a used slot always has T_c >= 1): the chunk-parallel kernels
 return at once there, but for what an op output or a host-side sum over the slots
-needs (gam_fwd still writes the slot's zero gam, intra_a_fwd first its steep flag
-0, intra_bwd_a its zero gate partial sums).
+needs (intra_a_fwd first writes its steep flag 0, intra_bwd_a its zero gate
+partial sums).
+
+gam (the cumsum of the log decay in each chunk) has the rows of the inputs,
+[B, T, HV, K]: a row past the sequence's end (in a short or last chunk) reads the
+chunk's last row instead (``gam_row``), the value a cumsum over zeros there would
+hold, so no buffer is padded to whole chunks (three times the rows at 2048
+packed sequences of 1 to 64 tokens).
 
 64-bit offsets: the base of every tensor moves once per program in 64-bit, to
 the chunk (chunk-parallel kernels) or, per chunk or token, inside the loop of a
@@ -81,3 +87,23 @@ def sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT: tl.conste
         s_0 = n * (NC + 1)
     i_h = i_hv // (HV // H)
     return n, i_hv, i_h, bos, T_n, NC_n, g_0, s_0
+
+
+@triton.jit
+def gam_row(r, T_c):
+    """The row of gam that row ``r`` of a chunk (``T_c`` rows from the chunk's first
+    to the sequence's end, >= 1) reads: ``r`` itself, or past the sequence's end the
+    chunk's last row, what gam would hold there (g = 0 past the end). Every such
+    read stays inside the chunk's rows."""
+    return tl.minimum(r, T_c - 1)
+
+
+@triton.jit
+def chunk_in_sequence(i_c, chunk_index, IS_VARLEN: tl.constexpr):
+    """Which chunk of its sequence chunk slot ``i_c`` holds (0: the first), for the
+    chunk-parallel kernels that skip what is zero there: the state entering a
+    sequence's first chunk without an initial state."""
+    if IS_VARLEN:
+        return tl.load(chunk_index + i_c * 2 + 1)
+    else:
+        return i_c

@@ -92,7 +92,8 @@ def kda_bwd_triton(
             up, dup, dchunk_states,
             *s["VL_CHUNK"], T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-            HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], num_warps=8,
+            HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
+            HAS_DH0=initial_state is not None, num_warps=8,
         )
         kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), s["NSEQ"] * HV)](
             x["kr"], x["w"], gam, dht_arg,
@@ -112,8 +113,9 @@ def kda_bwd_triton(
     dgam = torch.empty(B, T, HV, K, **f32)
     dgam_last = torch.empty(B, NC, HV, K, **f32)
     NS = triton.cdiv(K, S.BKS_W)
-    dtm_part = torch.empty(B, NC, HV, NS, BT, BT, **f32)
-    dbeta_part = torch.empty(B, NC, HV, NS, BT, **f32)
+    # per row, not per chunk slot: a third of the slots' rows at 2048 packed sequences of 1-64 tokens
+    dtm_part = torch.empty(B, T, HV, NS, BT, **f32)
+    dbeta_part = torch.empty(B, T, HV, NS, **f32)
     with record_function("kda_op::bwd::intra_through_w"):
         kda_intra_bwd_w_kernel[(NS, NC, B * HV)](
             q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
@@ -121,7 +123,8 @@ def kda_bwd_triton(
             *s["VL_CHUNK"], scale, T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BV=s["BV"],
             # one stage: its V loop is short, and prefetching it cost spills at 4 warps
-            DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
+            DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
+            num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
         )
     del dchunk_states
     dakk = torch.empty(B, T, HV, BT, **f32)

@@ -45,7 +45,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     if out is None:
         operand = dict(device=q.device, dtype=scan_operand_dtype(q.dtype))
         out = dict(
-            gam=torch.empty(B, NC * BT, HV, K, **f32),
+            gam=torch.empty(B, T, HV, K, **f32),
             akk=torch.empty(B, T, HV, BT, **f32),
             aqk=torch.empty(B, T, HV, BT, device=q.device, dtype=aqk_dtype(q.dtype)),
             # Traced: flat with one spare entry, so that no dimension of it is NC,
@@ -146,7 +146,7 @@ def kda_fwd_triton(
         _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=False)
     if NC > 0 and T > 0:
         with record_function("kda_op::fwd::output"):
-            _output_fwd(x, up, chunk_states, o, s, prec, traced=False)
+            _output_fwd(x, up, chunk_states, o, s, prec, traced=False, has_h0=h0 is not None)
     return o, ht, chunk_states, intermediates
 
 
@@ -162,7 +162,7 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
         IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first,
-        num_warps=S.SCAN_FWD_WARPS or S.SCAN_WARPS, num_stages=s["SCAN_FWD_STAGES"],
+        num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
     )
     if s["IS_VARLEN"]:
         row = HV * K * V
@@ -173,16 +173,17 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
 
 
 def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, prec: str, traced: bool,
-                slots: Optional[Tensor] = None) -> None:
+                slots: Optional[Tensor] = None, has_h0: bool = True) -> None:
     """Stage 3: the output (output_fwd.py) into o; ``slots``: zeros for the
-    sequences whose pool slot is negative (padding)."""
+    sequences whose pool slot is negative (padding); ``has_h0``: False where no
+    sequence has an initial state (the first chunks' zero states are not read)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     bv_out = S.BV_OUTPUT or s["BV"]
     _kernel(kda_output_fwd_kernel, traced)[(triton.cdiv(V, bv_out), NC, B * HV)](
         x["qg"], x["aqk"], up, chunk_states, o, *s["VL_CHUNK"], T, NC, s["H"], HV, o if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
         DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-        POOL=slots is not None,
+        POOL=slots is not None, HAS_H0=has_h0 or slots is not None,
         num_warps=S.OUTPUT_WARPS,
     )
 
@@ -246,7 +247,7 @@ def kda_fwd_triton_export(
     x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True, gate=gate)
     up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=True)
-    _output_fwd(x, up, chunk_states, o, s, prec, traced=True)
+    _output_fwd(x, up, chunk_states, o, s, prec, traced=True, has_h0=h0 is not None)
     return o, ht, chunk_states
 
 

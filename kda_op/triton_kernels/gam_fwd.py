@@ -1,8 +1,8 @@
 """Stage 1 (the first launch unless settings.INTRA_GAM_KERNEL is 0): gam = cumsum(g) in each chunk.
 
-One program per (chunk, batch * value head, K block of BKG). It writes the padded
-gam buffer [B, NC*BT, HV, K] (rows past T load g = 0, so they repeat the last
-gam) in fp32, so that intra_a_fwd.py reads gam, and the chunk's middle and last
+One program per (chunk, batch * value head, K block of BKG). It writes gam
+[B, T, HV, K] in fp32 (the chunk's valid rows; readers take a row past the
+sequence's end from its last one, _indexing.gam_row), so that intra_a_fwd.py reads gam, and the chunk's middle and last
 rows as plain vector loads, instead of forming them with a cross-warp scan and
 two cross-warp reductions for every K slice.
 
@@ -32,11 +32,14 @@ def kda_gam_fwd_kernel(
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_k = tl.program_id(2)
-    i_b, i_hv, _, bos, T, g_c, _ = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    i_b, i_hv, _, bos, T, _, _ = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    if IS_VARLEN:
+        if T <= 0:  # an unused chunk slot (past the last sequence's chunks): no row of gam
+            return
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     g += (bos * HV + i_hv) * K
-    gam += (g_c * BT * HV + i_hv) * K
+    gam += (bos * HV + i_hv) * K
     o_t = tl.arange(0, BT)
     o_k = i_k * BKG + tl.arange(0, BKG)
     m_k = o_k < K
@@ -45,6 +48,6 @@ def kda_gam_fwd_kernel(
     b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
     if GATE:
         b_a, b_bias = gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, HAS_A, HAS_BIAS)
-        # padded rows stay 0 (the gate of 0 is not 0)
+        # rows past the end stay 0 (the gate of 0 is not 0)
         b_g = tl.where(m_tk, gate_fwd(b_g, b_a, b_bias, lower_bound, GATE), 0.0)
-    tl.store(gam + p_tk, tl.cumsum(b_g, axis=0), mask=m_k[None, :])
+    tl.store(gam + p_tk, tl.cumsum(b_g, axis=0), mask=m_tk)

@@ -2,7 +2,7 @@
 
 One program per (chunk, batch * value head). With gam = cumsum(g) inside the
 chunk it writes
-  gam                          [B, NC*BT, HV, K]  (padded rows repeat the last gam)
+  gam                          [B, T, HV, K]      (_indexing.gam_row: rows past the end read the last)
   A_kk (strictly lower)        [B, T, HV, BT]     A_kk[i, j] = sum_k K_ik K_jk exp(gam_ik - gam_jk)
   A_qk (lower, with diagonal)  [B, T, HV, BT]     A_qk alike with Q * scale for K_i
   steep                        [B, NC, HV]        1 where the chunk took the steep path
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored
-from ._indexing import chunk_coords
+from ._indexing import chunk_coords, gam_row
 
 
 @triton.jit
@@ -66,19 +66,18 @@ def kda_intra_a_fwd_kernel(
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
-    if IS_VARLEN and GAM_IN:
+    if IS_VARLEN:
         # an unused chunk slot (past the last sequence's chunks): no row to compute; its
-        # steep flag, kept for the backward, is 0 (gam_fwd wrote its gam)
+        # steep flag, kept for the backward, is 0
         if T <= 0:
             tl.store(steep + g_c * HV + i_hv, 0)
             return
-    bos_pad = g_c * BT  # the chunk's first row in the padded gam buffer
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     g += (bos * HV + i_hv) * K
-    gam += (bos_pad * HV + i_hv) * K
+    gam += (bos * HV + i_hv) * K
     akk += (bos * HV + i_hv) * BT
     aqk += (bos * HV + i_hv) * BT
     qg += (bos * HV + i_hv) * K
@@ -87,12 +86,13 @@ def kda_intra_a_fwd_kernel(
     o_r = tl.arange(0, BT)
     o_t = o_r
     m_t = o_t < T
+    o_gt = gam_row(o_t, T)  # the rows of gam read: past the end, the last
     is_last = (o_r == BT - 1)[:, None]
     is_mid = (o_r == BT // 2)[:, None]
 
-    # Over K slices (columns are independent here): gam = cumsum(g) in fp32 (padded
-    # rows load g = 0, so they repeat the last gam), Qg and Kr, how far gam strays
-    # from the chunk's middle row, and the slices' shares of both A's.
+    # Over K slices (columns are independent here): gam = cumsum(g) in fp32 (rows
+    # past the end load g = 0, so they repeat the last gam), Qg and Kr, how far gam
+    # strays from the chunk's middle row, and the slices' shares of both A's.
     spread = tl.full([], 0.0, tl.float32)
     b_spread = tl.zeros([BT, BKA], dtype=tl.float32)
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -103,12 +103,12 @@ def kda_intra_a_fwd_kernel(
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
         if GAM_IN:
-            b_gam = tl.load(gam + p_tk, mask=m_k[None, :], other=0.0)
-            b_glast = tl.load(gam + (BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-            b_gmid = tl.load(gam + (BT // 2) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_gam = tl.load(gam + (o_gt[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+            b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_gmid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)
         else:
             b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-            tl.store(gam + p_tk, b_gam, mask=m_k[None, :])
+            tl.store(gam + p_tk, b_gam, mask=m_tk)
             b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
             b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
         b_dmid = b_gam - b_gmid[None, :]
@@ -135,15 +135,15 @@ def kda_intra_a_fwd_kernel(
                                       INTERPRET).to(aqk.dtype.element_ty), mask=m_t[:, None])
 
 @triton.jit
-def _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, H, HV, K: tl.constexpr, BKS: tl.constexpr):
-    """K slice ``i_s`` of a row block's Q * scale, K and gam (rows ``o_i``), fp32,
-    with the slice's columns and their mask."""
+def _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K: tl.constexpr, BKS: tl.constexpr):
+    """K slice ``i_s`` of a row block's Q * scale, K and gam (rows ``o_i``; gam's
+    past the end: the last, gam_row), fp32, with the slice's columns and their mask."""
     o_s = i_s * BKS + tl.arange(0, BKS)
     m_s = o_s < K
     m_is = m_i[:, None] & m_s[None, :]
     b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
     b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-    b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
     return o_s, m_s, b_qi, b_ki, b_gi
 
 
@@ -171,15 +171,15 @@ def kda_intra_a_fwd_steep_kernel(
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
     if tl.load(steep + g_c * HV + i_hv) != 0:
-        bos_pad = g_c * BT
         q += (bos * H + i_h) * K
         k += (bos * H + i_h) * K
-        gam += (bos_pad * HV + i_hv) * K
+        gam += (bos * HV + i_hv) * K
         akk += (bos * HV + i_hv) * BT
         aqk += (bos * HV + i_hv) * BT
         o_r = tl.arange(0, BT)
         o_t = o_r
         m_t = o_t < T
+        o_gt = gam_row(o_t, T)  # the rows of gam read: past the end, the last
         o_c = tl.arange(0, BC)
         if ROW_PROGRAMS:
             i_first = tl.program_id(2)
@@ -204,13 +204,13 @@ def kda_intra_a_fwd_steep_kernel(
                 upto = o_r < (i_i + 1) * BC
                 spread = tl.full([], 0.0, tl.float32)
                 for i_s in range(tl.cdiv(K, BKS)):
-                    o_s, m_s, b_qi, b_ki, b_gi = _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, H, HV, K, BKS)
-                    b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    o_s, m_s, b_qi, b_ki, b_gi = _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K, BKS)
+                    b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
                     b_dm = b_gi - b_gm[None, :]
                     spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_dm), 1), 0))
                     b_kc = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :],
                                    mask=(m_t & upto)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
-                    b_gc = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                    b_gc = tl.load(gam + (o_gt[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
                     b_kcb = tl.trans(b_kc * tl.exp(tl.where(upto[:, None], b_gm[None, :] - b_gc, float("-inf"))))
                     b_em = tl.exp(b_dm)
                     b_akk += tl.dot(b_ki * b_em, b_kcb, input_precision=DOT_PREC)
@@ -229,19 +229,19 @@ def kda_intra_a_fwd_steep_kernel(
                 b_akk_d = tl.zeros([BC, BC], dtype=tl.float32)
                 b_aqk_d = tl.zeros([BC, BC], dtype=tl.float32)
                 for i_s in range(tl.cdiv(K, BKS)):
-                    o_s, m_s, b_qi, b_ki, b_gi = _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, H, HV, K, BKS)
+                    o_s, m_s, b_qi, b_ki, b_gi = _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K, BKS)
                     # columns j before the block, reference r = the block's first row: both
                     # exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a decaying gate
-                    b_gr = tl.load(gam + (i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    b_gr = tl.load(gam + gam_row(i_i * BC, T) * (HV * K) + o_s, mask=m_s, other=0.0)
                     b_kc = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :],
                                    mask=(m_t & before)[:, None] & m_s[None, :], other=0.0).to(tl.float32)
-                    b_gc = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                    b_gc = tl.load(gam + (o_gt[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
                     b_kcb = tl.trans(b_kc * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_gc, 0.0)))
                     b_ei = tl.exp(b_gi - b_gr[None, :])
                     b_akk += tl.dot(b_ki * b_ei, b_kcb, input_precision=DOT_PREC)
                     b_aqk += tl.dot(b_qi * b_ei, b_kcb, input_precision=DOT_PREC)
                     # the diagonal block: split at its middle row m where this slice allows
-                    b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
                     b_dm = b_gi - b_gm[None, :]
                     if tl.max(tl.max(tl.abs(b_dm), 1), 0) <= MAX_SPLIT:
                         b_kn = tl.trans(b_ki * tl.exp(-b_dm))
@@ -256,7 +256,7 @@ def kda_intra_a_fwd_steep_kernel(
                             # refuses a block & scalar mask ('mask has unsupported dtype')
                             b_krow = tl.load(k + t_j * (H * K) + o_s[None, :],
                                              mask=(m_s & (t_j + 0 * o_s < T))[None, :], other=0.0).to(tl.float32)
-                            b_grow = tl.load(gam + t_j * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                            b_grow = tl.load(gam + gam_row(t_j, T) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
                             b_kje = b_krow * tl.exp(tl.where(o_c[:, None] >= j, b_gi - b_grow, float("-inf")))
                             is_j = o_c[None, :] == j
                             b_akk_d = tl.where(is_j, b_akk_d + tl.sum(b_ki * b_kje, 1)[:, None], b_akk_d)

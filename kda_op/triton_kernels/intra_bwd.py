@@ -45,9 +45,8 @@ def kda_intra_bwd_kernel(
     tm += (bos * HV + i_hv) * BT
     dakk += (bos * HV + i_hv) * BT
     daqk += (bos * HV + i_hv) * BT
-    i_chunk = g_c * HV + i_hv  # this chunk and head among [B, NC, HV]
-    dtm_part += i_chunk * NS * BT * BT
-    dbeta_part += i_chunk * NS * BT
+    dtm_part += (bos * HV + i_hv) * NS * BT  # [B, T, HV, NS, BT]
+    dbeta_part += (bos * HV + i_hv) * NS  # [B, T, HV, NS]
 
     o_r = tl.arange(0, BT)
     o_t = o_r
@@ -76,10 +75,11 @@ def kda_intra_bwd_kernel(
         b_dtm += tl.dot(b_dup, tl.trans(b_beta[:, None] * b_v), input_precision=DOT_PREC)
     b_daqk = tl.where(m_t[:, None] & (o_r[:, None] >= o_r[None, :]), b_daqk, 0.0)
 
-    # ---- the K slices' shares of dTm and dbeta (intra_bwd_w.py)
+    # ---- the K slices' shares of dTm and dbeta (intra_bwd_w.py; rows past the end: zero)
     for i_s in range(NS):
-        b_dtm += tl.load(dtm_part + i_s * BT * BT + o_r[:, None] * BT + o_r[None, :])
-        b_dbeta += tl.load(dbeta_part + i_s * BT + o_r)
+        b_dtm += tl.load(dtm_part + o_t[:, None] * (HV * NS * BT) + i_s * BT + o_r[None, :], mask=m_t[:, None],
+                         other=0.0)
+        b_dbeta += tl.load(dbeta_part + o_t * (HV * NS) + i_s, mask=m_t, other=0.0)
 
     # ---- Tm = (I + M)^-1  =>  dM = -Tm^T dTm Tm^T; M = diag(beta) A_kk
     b_dm = -tl.dot(tl.dot(tl.trans(b_tm), b_dtm, input_precision=DOT_PREC), tl.trans(b_tm), input_precision=DOT_PREC)

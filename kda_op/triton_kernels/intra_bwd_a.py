@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._gate import gate_bwd, gate_params
-from ._indexing import chunk_coords
+from ._indexing import chunk_coords, gam_row
 
 
 @triton.jit
@@ -78,12 +78,11 @@ def kda_intra_bwd_a_kernel(
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
-    bos_pad = g_c * BT  # the chunk's first row in the padded gam buffer
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
-    gam += (bos_pad * HV + i_hv) * K
+    gam += (bos * HV + i_hv) * K
     dakk += (bos * HV + i_hv) * BT
     daqk += (bos * HV + i_hv) * BT
     dq += (bos * HV + i_hv) * K
@@ -118,8 +117,8 @@ def kda_intra_bwd_a_kernel(
             o_t = o_r
             m_t = o_t < T
             m_ts = m_t[:, None] & m_s[None, :]
-            b_g = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-            b_gmid = tl.load(gam + (BT // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+            b_g = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+            b_gmid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
             b_dmid = b_g - b_gmid[None, :]
             b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
             b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
@@ -149,9 +148,9 @@ def kda_intra_bwd_a_kernel(
             m_ts = m_t[:, None] & m_s[None, :]
             b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
             b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-            b_g = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+            b_g = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
             # each row's block's middle row: the references of the block path
-            b_gmb = tl.load(gam + ((o_r // BC) * BC + BC // 2)[:, None] * (HV * K) + o_s[None, :],
+            b_gmb = tl.load(gam + gam_row((o_r // BC) * BC + BC // 2, T)[:, None] * (HV * K) + o_s[None, :],
                             mask=m_s[None, :], other=0.0)
             b_dblk = b_g - b_gmb
             if BLOCK_REFS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
@@ -165,18 +164,20 @@ def kda_intra_bwd_a_kernel(
                 b_tk = tl.zeros([BT, BKD], dtype=tl.float32)
                 b_tkj = tl.zeros([BT, BKD], dtype=tl.float32)
                 for i_i in tl.static_range(BT // BC):
-                    rows = (o_r // BC == i_i)[:, None]
-                    b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
-                    # columns up to the block's end: exp(gam_m - gam_j) within exp(MAX_SPLIT) in the
-                    # block, <= 1 before it for a decaying gate; after it dA is zero, the factor dropped
-                    b_ec = tl.exp(tl.where((o_r < (i_i + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")))
-                    b_dqk_i = tl.where(rows, b_dqk, 0.0)
-                    b_dkk_i = tl.where(rows, b_dkk, 0.0)
-                    b_kc = b_k * b_ec
-                    b_tq += tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
-                    b_tk += tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
-                    b_tkj += b_ec * (tl.dot(tl.trans(b_dqk_i), b_qr, input_precision=DOT_PREC)
-                                     + tl.dot(tl.trans(b_dkk_i), b_kr, input_precision=DOT_PREC))
+                    # a block past the sequence's end (short or last chunks) has dA = 0: skipped
+                    if i_i * BC < T:
+                        rows = (o_r // BC == i_i)[:, None]
+                        b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+                        # columns up to the block's end: exp(gam_m - gam_j) within exp(MAX_SPLIT) in the
+                        # block, <= 1 before it for a decaying gate; after it dA is zero, the factor dropped
+                        b_ec = tl.exp(tl.where((o_r < (i_i + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")))
+                        b_dqk_i = tl.where(rows, b_dqk, 0.0)
+                        b_dkk_i = tl.where(rows, b_dkk, 0.0)
+                        b_kc = b_k * b_ec
+                        b_tq += tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
+                        b_tk += tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
+                        b_tkj += b_ec * (tl.dot(tl.trans(b_dqk_i), b_qr, input_precision=DOT_PREC)
+                                         + tl.dot(tl.trans(b_dkk_i), b_kr, input_precision=DOT_PREC))
                 row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
                 _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
                               b_q, b_k, b_er * b_tq, b_er * b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE)
@@ -192,7 +193,7 @@ def kda_intra_bwd_a_kernel(
                         row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
                         b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
                         b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-                        b_gi = tl.load(gam + (o_i[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                        b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
                         b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
                         b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
                         b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
@@ -202,7 +203,7 @@ def kda_intra_bwd_a_kernel(
                             # block i_i's rows, the columns j before it; reference r = its first
                             # row: exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a
                             # decaying gate
-                            b_gr = tl.load(gam + (i_i * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                            b_gr = tl.load(gam + gam_row(i_i * BC, T) * (HV * K) + o_s, mask=m_s, other=0.0)
                             before = o_r < i_i * BC
                             b_kb = b_k * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_g, float("-inf")))
                             m_before = m_i[:, None] & before[None, :]
@@ -218,7 +219,7 @@ def kda_intra_bwd_a_kernel(
                         if i_i < BT // BC - 1:
                             # block i_i as the columns of the rows l after it; reference c = the
                             # first row after the block: exp(gam_l - gam_c), exp(gam_c - gam_j) <= 1
-                            b_gc = tl.load(gam + ((i_i + 1) * BC) * (HV * K) + o_s, mask=m_s, other=0.0)
+                            b_gc = tl.load(gam + gam_row((i_i + 1) * BC, T) * (HV * K) + o_s, mask=m_s, other=0.0)
                             after = o_r >= (i_i + 1) * BC
                             b_ea = tl.exp(tl.where(after[:, None], b_g - b_gc[None, :], float("-inf")))
                             p_col = (o_t[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
@@ -236,7 +237,7 @@ def kda_intra_bwd_a_kernel(
                         col = i_i * BC + o_c[None, :]
                         b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
                         b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
-                        b_gm = tl.load(gam + (i_i * BC + BC // 2) * (HV * K) + o_s, mask=m_s, other=0.0)
+                        b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
                         b_gd = b_gi - b_gm[None, :]
                         if tl.max(tl.max(tl.abs(b_gd), 1), 0) <= MAX_SPLIT:
                             b_em = tl.exp(b_gd)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._indexing import chunk_coords
+from ._indexing import chunk_coords, chunk_in_sequence, gam_row
 
 
 @triton.jit
@@ -29,7 +29,7 @@ def kda_intra_bwd_w_kernel(
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, HAS_H0: tl.constexpr = True, HAS_DHT: tl.constexpr = True,
 ):
     # The K slice varies fastest over the grid: the slices of one chunk run side by
     # side and share their loads of dO, U', dU', Tm through L2.
@@ -40,7 +40,6 @@ def kda_intra_bwd_w_kernel(
     if IS_VARLEN:
         if T <= 0:  # an unused chunk slot (past the last sequence's chunks): nothing to compute
             return
-    bos_pad = g_c * BT  # the chunk's first row in the padded gam buffer
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     q += (bos * H + i_h) * K
@@ -49,78 +48,99 @@ def kda_intra_bwd_w_kernel(
     dup += (bos * HV + i_hv) * V
     do += (bos * HV + i_hv) * V
     beta += bos * HV + i_hv
-    gam += (bos_pad * HV + i_hv) * K
+    gam += (bos * HV + i_hv) * K
     tm += (bos * HV + i_hv) * BT
     dq += (bos * HV + i_hv) * K
     dk += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
     i_chunk = g_c * HV + i_hv  # this chunk and head among [B, NC, HV]
     dgam_last += i_chunk * K
-    dtm_part += (i_chunk * tl.num_programs(0) + i_s) * BT * BT
-    dbeta_part += (i_chunk * tl.num_programs(0) + i_s) * BT
+    # the slices' shares of dTm and dbeta, per row like the other per-row buffers
+    # ([B, T, HV, NS, BT] and [B, T, HV, NS]): no rows past a short chunk's end
+    NS = tl.num_programs(0)
+    dtm_part += ((bos * HV + i_hv) * NS + i_s) * BT
+    dbeta_part += (bos * HV + i_hv) * NS + i_s
 
     o_r = tl.arange(0, BT)
     o_t = o_r
     m_t = o_t < T
-    s0_base = chunk_states + (s_c * HV + i_hv) * K * V
-    dsc_base = dchunk_states + i_chunk * K * V
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-    b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
-
     o_s = i_s * BKS + tl.arange(0, BKS)
     m_s = o_s < K
     m_ts = m_t[:, None] & m_s[None, :]
-    b_dqg = tl.zeros([BT, BKS], dtype=tl.float32)
-    b_dkr = tl.zeros([BT, BKS], dtype=tl.float32)
-    b_dw = tl.zeros([BT, BKS], dtype=tl.float32)
-    b_dglast = tl.zeros([BKS], dtype=tl.float32)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
-        b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_up = tl.load(up + row_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
-        sv = o_s[:, None] * V + o_v[None, :]
-        m_sv = m_s[:, None] & m_v[None, :]
-        b_s0 = tl.load(s0_base + sv, mask=m_sv, other=0.0).to(tl.float32)
-        b_dsc = tl.load(dsc_base + sv, mask=m_sv, other=0.0).to(tl.float32)
-        b_dqg += tl.dot(b_do, tl.trans(b_s0), input_precision=DOT_PREC)
-        b_dkr += tl.dot(b_up, tl.trans(b_dsc), input_precision=DOT_PREC)
-        b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
-        b_dglast += tl.sum(b_s0 * b_dsc, 1)
-
-    b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-    b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-    b_glast = tl.load(gam + (BT - 1) * (HV * K) + o_s, mask=m_s, other=0.0)
-    b_eg = tl.exp(b_gam)
-    b_kg = b_k * b_eg
-    b_rf = tl.exp(b_glast[None, :] - b_gam)
-    b_kr = b_k * b_rf
-
-    # O = Qg S0 + ...; S_C = exp(Gam) S0 + Kr^T U'
-    b_dq = b_dqg * b_eg
-    b_dgam = b_dqg * b_q * b_eg
-    b_dk = b_dkr * b_rf
-    b_dgam -= b_dkr * b_kr
-    b_dglast = b_dglast * tl.exp(b_glast) + tl.sum(b_dkr * b_kr, 0)
-    # W = Tm diag(beta) Kg
-    b_bkg = b_beta[:, None] * b_kg
-    b_dtm = tl.dot(b_dw, tl.trans(b_bkg), input_precision=DOT_PREC)
-    b_tdw = tl.dot(tl.trans(b_tm), b_dw, input_precision=DOT_PREC)
-    b_dbeta = tl.sum(b_kg * b_tdw, 1)
-    b_dkg = b_beta[:, None] * b_tdw
-    b_dk += b_dkg * b_eg
-    b_dgam += b_dkg * b_kg
-
     row_s = (o_t[:, None]) * (HV * K) + o_s[None, :]
-    tl.store(dq + row_s, b_dq, mask=m_ts)
-    tl.store(dk + row_s, b_dk, mask=m_ts)
-    tl.store(dgam + row_s, b_dgam, mask=m_ts)
-    tl.store(dgam_last + o_s, b_dglast, mask=m_s)
+    # What is zero and not read: the state entering a sequence's first chunk without an
+    # initial state (S0), and the grad of the state leaving its last chunk without a
+    # final-state grad (dS_C; state_bwd.py does not store it for packed sequences).
+    # Both at once (a sequence of one chunk): every output of the slice is zero.
+    need_s0 = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | HAS_H0
+    need_dsc = (T > BT) | HAS_DHT
+    if need_s0 | need_dsc:
+        # as block masks (Triton >= 3.7's interpreter refuses a block & scalar mask)
+        use_s0 = (need_s0.to(tl.int32) + 0 * o_s) > 0
+        use_dsc = (need_dsc.to(tl.int32) + 0 * o_s) > 0
+        s0_base = chunk_states + (s_c * HV + i_hv) * K * V
+        dsc_base = dchunk_states + i_chunk * K * V
+        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
+        b_dqg = tl.zeros([BT, BKS], dtype=tl.float32)
+        b_dkr = tl.zeros([BT, BKS], dtype=tl.float32)
+        b_dw = tl.zeros([BT, BKS], dtype=tl.float32)
+        b_dglast = tl.zeros([BKS], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
+            b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
+            b_up = tl.load(up + row_v, mask=m_tv, other=0.0).to(tl.float32)
+            b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
+            sv = o_s[:, None] * V + o_v[None, :]
+            m_sv = m_s[:, None] & m_v[None, :]
+            b_s0 = tl.load(s0_base + sv, mask=m_sv & use_s0[:, None], other=0.0).to(tl.float32)
+            b_dsc = tl.load(dsc_base + sv, mask=m_sv & use_dsc[:, None], other=0.0).to(tl.float32)
+            b_dqg += tl.dot(b_do, tl.trans(b_s0), input_precision=DOT_PREC)
+            b_dkr += tl.dot(b_up, tl.trans(b_dsc), input_precision=DOT_PREC)
+            b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
+            b_dglast += tl.sum(b_s0 * b_dsc, 1)
 
-    # this slice's share of dTm and dbeta; intra_bwd.py sums the slices
-    tl.store(dtm_part + o_r[:, None] * BT + o_r[None, :], b_dtm)
-    tl.store(dbeta_part + o_r, b_dbeta)
+        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+        b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+        b_eg = tl.exp(b_gam)
+        b_kg = b_k * b_eg
+        b_rf = tl.exp(b_glast[None, :] - b_gam)
+        b_kr = b_k * b_rf
+
+        # O = Qg S0 + ...; S_C = exp(Gam) S0 + Kr^T U'
+        b_dq = b_dqg * b_eg
+        b_dgam = b_dqg * b_q * b_eg
+        b_dk = b_dkr * b_rf
+        b_dgam -= b_dkr * b_kr
+        b_dglast = b_dglast * tl.exp(b_glast) + tl.sum(b_dkr * b_kr, 0)
+        # W = Tm diag(beta) Kg
+        b_bkg = b_beta[:, None] * b_kg
+        b_dtm = tl.dot(b_dw, tl.trans(b_bkg), input_precision=DOT_PREC)
+        b_tdw = tl.dot(tl.trans(b_tm), b_dw, input_precision=DOT_PREC)
+        b_dbeta = tl.sum(b_kg * b_tdw, 1)
+        b_dkg = b_beta[:, None] * b_tdw
+        b_dk += b_dkg * b_eg
+        b_dgam += b_dkg * b_kg
+
+        tl.store(dq + row_s, b_dq, mask=m_ts)
+        tl.store(dk + row_s, b_dk, mask=m_ts)
+        tl.store(dgam + row_s, b_dgam, mask=m_ts)
+        tl.store(dgam_last + o_s, b_dglast, mask=m_s)
+        # this slice's share of dTm and dbeta (rows past the end are zero: not stored);
+        # intra_bwd.py sums the slices
+        tl.store(dtm_part + o_t[:, None] * (HV * NS * BT) + o_r[None, :], b_dtm, mask=m_t[:, None])
+        tl.store(dbeta_part + o_t * (HV * NS), b_dbeta, mask=m_t)
+    else:
+        b_zero = tl.zeros([BT, BKS], dtype=tl.float32)
+        tl.store(dq + row_s, b_zero, mask=m_ts)
+        tl.store(dk + row_s, b_zero, mask=m_ts)
+        tl.store(dgam + row_s, b_zero, mask=m_ts)
+        tl.store(dgam_last + o_s, tl.zeros([BKS], dtype=tl.float32), mask=m_s)
+        tl.store(dtm_part + o_t[:, None] * (HV * NS * BT) + o_r[None, :], tl.zeros([BT, BT], dtype=tl.float32),
+                 mask=m_t[:, None])
+        tl.store(dbeta_part + o_t * (HV * NS), tl.zeros([BT], dtype=tl.float32), mask=m_t)

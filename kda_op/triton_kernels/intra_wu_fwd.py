@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
-from ._indexing import chunk_coords
+from ._indexing import chunk_coords, gam_row
 
 
 @triton.jit
@@ -36,7 +36,6 @@ def kda_intra_wu_fwd_kernel(
     if IS_VARLEN:
         if T <= 0:  # an unused chunk slot (past the last sequence's chunks): nothing to compute
             return
-    bos_pad = g_c * BT  # the chunk's first row in the padded gam buffer
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     k += (bos * H + i_h) * K
@@ -44,7 +43,7 @@ def kda_intra_wu_fwd_kernel(
     u += (bos * HV + i_hv) * V
     w += (bos * HV + i_hv) * K
     beta += bos * HV + i_hv
-    gam += (bos_pad * HV + i_hv) * K
+    gam += (bos * HV + i_hv) * K
     akk += (bos * HV + i_hv) * BT
     tm += (bos * HV + i_hv) * BT
 
@@ -97,7 +96,7 @@ def kda_intra_wu_fwd_kernel(
     b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     # gam is reloaded rather than kept live through the inverse (register pressure).
-    b_gam = tl.load(gam + (o_t[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
     b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
     tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
              mask=m_t[:, None] & m_k[None, :])

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
-from ._indexing import chunk_coords
+from ._indexing import chunk_coords, chunk_in_sequence
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def kda_output_fwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, HAS_H0: tl.constexpr = True,
 ):
     # BF16_DOTS (bf16 Qg only): S0, A_qk and U' enter the dots rounded to bf16 (fp32
     # accumulation), the precision of the bf16 output they make.
@@ -53,16 +53,18 @@ def kda_output_fwd_kernel(
     m_v = o_v < V
     o_r = tl.arange(0, BT)
 
-    b_qg = tl.load(qg + (o_t[:, None]) * (HV * K) + o_k[None, :],
-                   mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_s0 = tl.load(chunk_states + o_k[:, None] * V + o_v[None, :],
-                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
     row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
     b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-    b_o = dot(b_qg, b_s0, BF16_DOTS, DOT_PREC, INTERPRET)
-    b_o += dot(b_a, b_up, BF16_DOTS, DOT_PREC, INTERPRET)
+    b_o = dot(b_a, b_up, BF16_DOTS, DOT_PREC, INTERPRET)
+    # Qg S0, but for a sequence's first chunk without an initial state (S0 = 0: not read)
+    if (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | HAS_H0:
+        b_qg = tl.load(qg + (o_t[:, None]) * (HV * K) + o_k[None, :],
+                       mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_s0 = tl.load(chunk_states + o_k[:, None] * V + o_v[None, :],
+                       mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_o += dot(b_qg, b_s0, BF16_DOTS, DOT_PREC, INTERPRET)
     if POOL:
         b_o = tl.where(tl.load(slots + i_b) >= 0, b_o, 0.0)
     tl.store(o + row_v, as_stored(b_o, o, INTERPRET).to(o.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored
-from ._indexing import chunk_coords, sequence_coords
+from ._indexing import chunk_coords, chunk_in_sequence, sequence_coords
 
 
 @triton.jit
@@ -33,9 +33,10 @@ def kda_state_bwd_prep_kernel(
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_UP: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True,
 ):
-    """HAS_UP: U' is already there (the forward kept it); skip S0, W and U."""
+    """HAS_UP: U' is already there (the forward kept it); skip S0, W and U. HAS_DH0:
+    the initial state's grad is wanted (else no Qg^T dO for first chunks)."""
     # The V block varies fastest over the grid: the blocks of one chunk run side by
     # side and share their loads of dO, A_qk and Qg through L2.
     i_v = tl.program_id(0)
@@ -81,9 +82,13 @@ def kda_state_bwd_prep_kernel(
     b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0).to(tl.float32)
     tl.store(dup + row_v, tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PREC), mask=m_tv)
-    b_qg = tl.load(qg + row_k, mask=m_tk, other=0.0).to(tl.float32)
-    tl.store(dchunk_states + state_off,
-             as_stored(tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC), dchunk_states, INTERPRET), mask=m_kv)
+    # Qg^T dO: its share of dS entering the chunk, not needed for a sequence's first
+    # chunk without an initial state (kda_state_bwd_kernel does not read it there)
+    if (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | HAS_DH0:
+        b_qg = tl.load(qg + row_k, mask=m_tk, other=0.0).to(tl.float32)
+        tl.store(dchunk_states + state_off,
+                 as_stored(tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC), dchunk_states, INTERPRET),
+                 mask=m_kv)
 
 
 @triton.jit
@@ -105,13 +110,12 @@ def kda_state_bwd_kernel(
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT,
                                                          IS_VARLEN)
-    bos_pad = g_0 * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit, and to each
     # chunk in 64-bit in the loop; offsets inside a chunk are 32-bit at any T.
     kr += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     dup += (bos * HV + i_hv) * V
-    gam += (bos_pad * HV + i_hv) * K
+    gam += (bos * HV + i_hv) * K
     dht += (i_b * HV + i_hv) * K * V
     dh0 += (i_b * HV + i_hv) * K * V
     dchunk_states += (g_0 * HV + i_hv) * K * V
@@ -134,11 +138,12 @@ def kda_state_bwd_kernel(
     row_v = (o_r[:, None]) * (HV * V) + o_v[None, :]
     # Packed sequences without a grad of their final states (training): the last chunk's
     # dS_C is 0 and its dU' is the prep kernel's A_qk^T dO as it stands (+ Kr 0), so that
-    # chunk is taken here, out of the loop: its dS_C stored as zeros, and dS entering it
-    # formed only where an earlier chunk or dh0 reads it. A sequence of one chunk without
-    # an initial state then costs one store (short packed sequences: 2048 of 1-64 tokens
-    # spent 8.9 ms here, fla's dh kernel 4.0). Not for equal-length batches, whose loop
-    # (SASS) it would lengthen for the one chunk in NC it saves.
+    # chunk is taken here, out of the loop: its dS_C is not stored (intra_bwd_w.py does not
+    # read it without dht), and dS entering it is formed only where an earlier chunk or
+    # dh0 reads it. A sequence of one chunk without an initial state then costs nothing
+    # here (short packed sequences: 2048 of 1-64 tokens spent 8.9 ms here, fla's dh kernel
+    # 4.0). Not for equal-length batches, whose loop (SASS) it would lengthen for the one
+    # chunk in NC it saves.
     PEEL: tl.constexpr = IS_VARLEN and not HAS_DHT
     if PEEL:
         if NC > 0:
@@ -151,8 +156,6 @@ def kda_state_bwd_kernel(
                 b_dup = tl.load(dup + r0 * (HV * V) + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
                 b_ds = (tl.load(p_ds, mask=m_kv, other=0.0).to(tl.float32)
                         - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC))
-                tl.debug_barrier()  # every thread's load of Qg^T dO before the store over it
-            tl.store(p_ds, tl.zeros([BK, BV], dtype=tl.float32).to(dchunk_states.dtype.element_ty), mask=m_kv)
 
     for i_rev in range(1 if PEEL else 0, NC):
         i_c = NC - 1 - i_rev
@@ -163,9 +166,13 @@ def kda_state_bwd_kernel(
         p_ds = dchunk_states + i_c * cs_stride + state_off
 
         # Qg^T dO from the prep kernel sits in the slot this chunk's dS_C goes to: use it
-        # (so a prefetched copy of it has landed) and pass a barrier before the store.
-        b_glast = tl.load(gam + (r0 + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-        b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds, mask=m_kv, other=0.0).to(tl.float32)
+        # (so a prefetched copy of it has landed) and pass a barrier before the store. Not
+        # for the first chunk without dh0: dS entering it is not needed, the prep kernel
+        # does not form it.
+        # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
+        b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        m_qdo = m_kv & ((i_c + 0 * o_k > 0) | HAS_DH0)[:, None]
+        b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds, mask=m_qdo, other=0.0).to(tl.float32)
         tl.debug_barrier()
         tl.store(p_ds, as_stored(b_ds, dchunk_states, INTERPRET), mask=m_kv)
 

@@ -39,14 +39,13 @@ def kda_state_fwd_kernel(
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT, IS_VARLEN)
-    bos_pad = g_0 * BT  # where the sequence starts in the padded gam buffer
     # Each pointer moves to this sequence and head once, in 64-bit, and to each
     # chunk in 64-bit in the loop; offsets inside a chunk are 32-bit at any T.
     kr += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     u += (bos * HV + i_hv) * V
     up += (bos * HV + i_hv) * V
-    gam += (bos_pad * HV + i_hv) * K
+    gam += (bos * HV + i_hv) * K
     if POOL:
         slot = tl.load(slots + i_b).to(tl.int64)
         h0 += (tl.maximum(slot, 0) * HV + i_hv) * K * V
@@ -103,7 +102,8 @@ def kda_state_fwd_kernel(
         b_up = b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(up + r0 * (HV * V) + row_v, as_stored(b_up, up, INTERPRET), mask=m_t[:, None] & m_v[None, :])
 
-        b_glast = tl.load(gam + (r0 + BT - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
+        b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
     tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
