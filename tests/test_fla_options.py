@@ -616,15 +616,21 @@ def _layer_style_inputs(lengths, H, G, K, V, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("varlen", [False, True])
-def test_cuda_matches_fla_with_layer_flags(varlen):
+@pytest.mark.parametrize("varlen,with_states", [(False, True), (True, True), ("short", True), ("short", False)])
+def test_cuda_matches_fla_with_layer_flags(varlen, with_states):
     """Ours and fla's chunk_kda on the same bf16 inputs with fla's layer flags
     (l2norm, gate with lower_bound and safe_gate, beta sigmoid, V-first states):
-    o, final state and every grad within bf16 rounding (relative 2e-2)."""
+    o, final state and every grad within bf16 rounding (relative 2e-2). "short":
+    300 packed sequences of 1 to 64 tokens (the forward scan's settings for short
+    sequences, settings.SHORT_SEQ_CHUNKS); without states: no initial state and a
+    loss on o alone (training: no final-state grad either)."""
     fla_kda = pytest.importorskip("fla.ops.kda")
-    lengths = [1, 63, 65, 300, 7] if varlen else [436]
+    if varlen == "short":
+        lengths = torch.randint(1, 65, (300,), generator=torch.Generator().manual_seed(5)).tolist()
+    else:
+        lengths = [1, 63, 65, 300, 7] if varlen else [436]
     x, cu = _layer_style_inputs(lengths, H=2, G=2, K=64, V=64, seed=50)
-    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "initial_state"]
+    names = ["q", "k", "v", "g", "beta", "A_log", "dt_bias"] + (["initial_state"] if with_states else [])
     h0 = x["initial_state"][:len(lengths)].transpose(-1, -2).contiguous().float()  # V-first
     kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
               safe_gate=True, lower_bound=-5.0, state_v_first=True, output_final_state=True)
@@ -633,12 +639,13 @@ def test_cuda_matches_fla_with_layer_flags(varlen):
     results = []
     for fn in (chunk_kda, fla_kda.chunk_kda):
         leaves = {n: (h0 if n == "initial_state" else x[n]).detach().clone().requires_grad_() for n in names}
-        o, ht = fn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), initial_state=leaves["initial_state"],
+        o, ht = fn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), initial_state=leaves.get("initial_state"),
                    A_log=leaves["A_log"], dt_bias=leaves["dt_bias"], **kw)
         gen = torch.Generator(device="cuda").manual_seed(1)
         do = torch.randn(o.shape, device="cuda", generator=gen).to(o.dtype)
         dht = torch.randn(ht.shape, device="cuda", generator=gen)
-        grads = torch.autograd.grad((o.float() * do).sum() + (ht * dht).sum(), [leaves[n] for n in names])
+        loss = (o.float() * do).sum() + ((ht * dht).sum() if with_states else 0)
+        grads = torch.autograd.grad(loss, [leaves[n] for n in names])
         results.append([o, ht, *grads])
     for name, a, b in zip(["o", "final_state"] + ["d" + n for n in names], *results):
         a, b = a.float(), b.float()

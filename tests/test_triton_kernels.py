@@ -131,9 +131,11 @@ def test_too_long_a_sequence_is_refused_not_wrapped():
 # interpreter's numpy says so.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
-@pytest.mark.parametrize("block_refs", [0, 1])  # settings.STEEP_BLOCK_REFS
+# settings.STEEP_BLOCK_REFS, INTRA_A_BLOCK_REFS (the forward's block references in the
+# common kernel, not the steep launch)
+@pytest.mark.parametrize("block_refs,common_refs", [(0, 0), (1, 0), (1, 1)])
 @pytest.mark.parametrize("T_cut", [0, 19])  # 19: the steep chunk is also the partial last one
-def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, block_refs, monkeypatch):
+def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, block_refs, common_refs, monkeypatch):
     """The intra-chunk kernels split exp(gam_i - gam_j) at a middle row only while
     every factor stays within exp(MAX_SPLIT): over the whole chunk, else over each
     sub-block of 16 rows, else they form each pair exactly. Three chunks, one per
@@ -141,11 +143,14 @@ def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, block_refs, monkeyp
     spikes (32 rows: 96 > 60; 8 rows: 24 + 20 <= 60), and -9 (8 rows: 72 > 60).
     intra_a_fwd accumulates the A's of steep chunks too, which may overflow: they
     must be dropped, not stored. With block_refs the second chunk (8 rows from
-    each block's middle: <= 60) takes the block-reference path, the third not."""
+    each block's middle: <= 60) takes the block-reference path, the third not;
+    with common_refs the forward forms the second chunk's A's in the common
+    kernel (steep flag 1), the third's in the steep launch (2)."""
     from kda_op.triton_kernels import settings
     from kda_op.triton_kernels.settings import MAX_SPLIT
 
     monkeypatch.setattr(settings, "STEEP_BLOCK_REFS", block_refs)
+    monkeypatch.setattr(settings, "INTRA_A_BLOCK_REFS", common_refs)
 
     B, T, H, G, K, V = 1, 3 * CHUNK_SIZE - T_cut, 1, 2, 16, 16
     C = CHUNK_SIZE
@@ -160,6 +165,12 @@ def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, block_refs, monkeyp
     assert 32 * 2.5 > MAX_SPLIT and 8 * 3 + 20 <= MAX_SPLIT and 8 * 8.5 > MAX_SPLIT
     inputs["g"] = g
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=8)
+    from kda_op.triton_kernels.fwd import _intra_fwd
+    from kda_op.triton_kernels._host import _sizes
+
+    args = [inputs[n] for n in NAMES]
+    flags = _intra_fwd(*args, K**-0.5, _sizes(args[0], args[2]), store_tm=False)["steep"]
+    assert flags[0, :, 0].tolist() == [0, 1 if common_refs else 2, 2]
 
 
 @pytest.mark.parametrize("T", [2 * CHUNK_SIZE + 7, CHUNK_SIZE + 40])  # 40: a block cut by T
@@ -262,6 +273,9 @@ def test_triton_gam_kernel_changes_no_result(dtype, monkeypatch):
     do = torch.randn(1, 2 * CHUNK_SIZE + 5, 2, 40, generator=gen).to(dtype).to(DEVICE)
     dht = torch.randn(1, 2, 48, 40, generator=gen).to(DEVICE)
     monkeypatch.setattr(settings, "BKG", 32)  # K = 48: one whole and one partial K block
+    # the steep chunk through the steep launch either way: the common kernel's block
+    # references (INTRA_A_BLOCK_REFS) need gam_fwd's spreads, and sum in another order
+    monkeypatch.setattr(settings, "INTRA_A_BLOCK_REFS", 0)
     results = []
     for gam_kernel in (0, 1):
         monkeypatch.setattr(settings, "INTRA_GAM_KERNEL", gam_kernel)
@@ -322,7 +336,8 @@ def _bytes(x: torch.Tensor) -> torch.Tensor:
     (2, CHUNK_SIZE + 3, 1, 2, 32, 20),  # partial last chunk; V * 4 bytes not a multiple of 256
     (1, 7, 1, 1, 16, 16),  # routed to the recurrent kernel when nothing is kept
 ])
-@pytest.mark.parametrize("block_refs", [0, 1])  # settings.STEEP_BLOCK_REFS: another way to store steep A's
+# settings.STEEP_BLOCK_REFS and INTRA_A_BLOCK_REFS: other ways to store steep A's
+@pytest.mark.parametrize("block_refs", [0, 1])
 def test_triton_results_never_show_uninitialised_memory(B, T, H, G, K, V, dtype, block_refs, monkeypatch):
     """Every byte the ops return (outputs, chunk states, the kept-intermediates
     buffer with its alignment gaps) and every grad is written by the kernels or
@@ -343,6 +358,7 @@ def test_triton_results_never_show_uninitialised_memory(B, T, H, G, K, V, dtype,
 
     def run(fill: int) -> list:
         monkeypatch.setattr(settings, "STEEP_BLOCK_REFS", block_refs)  # undone below with the rest
+        monkeypatch.setattr(settings, "INTRA_A_BLOCK_REFS", block_refs)
         monkeypatch.setattr(torch, "empty", lambda *a, **kw: _filled(real_empty(*a, **kw), fill))
         monkeypatch.setattr(torch, "empty_like", lambda *a, **kw: _filled(real_empty_like(*a, **kw), fill))
         results = []

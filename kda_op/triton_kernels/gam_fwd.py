@@ -21,18 +21,22 @@ from ._indexing import chunk_coords
 
 @triton.jit
 def kda_gam_fwd_kernel(
-    g, gam, A_log, dt_bias, lower_bound,
+    g, gam, spreads, A_log, dt_bias, lower_bound,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKG: tl.constexpr,
     GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, BC: tl.constexpr = 16, SPREADS: tl.constexpr = False,
 ):
+    """SPREADS: also write, for intra_a_fwd.py's choice of path, how far this K block's
+    gam strays from the chunk's middle row and, the largest over the chunk's BC-row
+    blocks, from its block's middle row: spreads [B * NC * HV, NKB, 2] fp32 (a
+    stand-in otherwise)."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_k = tl.program_id(2)
-    i_b, i_hv, _, bos, T, _, _ = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    i_b, i_hv, _, bos, T, g_c, _ = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
     if IS_VARLEN:
         if T <= 0:  # an unused chunk slot (past the last sequence's chunks): no row of gam
             return
@@ -50,4 +54,18 @@ def kda_gam_fwd_kernel(
         b_a, b_bias = gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, HAS_A, HAS_BIAS)
         # rows past the end stay 0 (the gate of 0 is not 0)
         b_g = tl.where(m_tk, gate_fwd(b_g, b_a, b_bias, lower_bound, GATE), 0.0)
-    tl.store(gam + p_tk, tl.cumsum(b_g, axis=0), mask=m_tk)
+    b_gam = tl.cumsum(b_g, axis=0)
+    tl.store(gam + p_tk, b_gam, mask=m_tk)
+    if SPREADS:
+        # rows past the end hold the last gam here, as every reader of gam sees them
+        # (_indexing.gam_row); columns past K hold 0
+        b_mid = tl.sum(tl.where((o_t == BT // 2)[:, None], b_gam, 0.0), 0)
+        chunk_spread = tl.max(tl.max(tl.abs(b_gam - b_mid[None, :]), 1), 0)
+        NB: tl.constexpr = BT // BC
+        b_blocks = tl.reshape(b_gam, (NB, BC, BKG))
+        o_c = tl.arange(0, BC)
+        b_bmid = tl.sum(tl.where((o_c == BC // 2)[None, :, None], b_blocks, 0.0), 1)  # [NB, BKG]
+        block_spread = tl.max(tl.max(tl.max(tl.abs(b_blocks - b_bmid[:, None, :]), 2), 1), 0)
+        p_sp = spreads + ((g_c * HV + i_hv) * tl.num_programs(2) + i_k) * 2
+        tl.store(p_sp, chunk_spread)
+        tl.store(p_sp + 1, block_spread)

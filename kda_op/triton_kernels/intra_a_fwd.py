@@ -5,7 +5,8 @@ chunk it writes
   gam                          [B, T, HV, K]      (_indexing.gam_row: rows past the end read the last)
   A_kk (strictly lower)        [B, T, HV, BT]     A_kk[i, j] = sum_k K_ik K_jk exp(gam_ik - gam_jk)
   A_qk (lower, with diagonal)  [B, T, HV, BT]     A_qk alike with Q * scale for K_i
-  steep                        [B, NC, HV]        1 where the chunk took the steep path
+  steep                        [B, NC, HV]        the chunk's path: 0 split at its middle row, else steep
+                                                  (1 block references here, 2 the steep launch)
   Qg = Q * scale * exp(gam),  Kr = K * exp(Gam - gam)   [B, T, HV, K]  (Gam: the chunk's
                                last gam) in the scans' operand dtype: what the scans and
                                the output read instead of Q, K and gam
@@ -15,7 +16,10 @@ the chunk. kda_intra_a_fwd_kernel splits it at the chunk's middle row m,
 exp(gam_i - gam_m) exp(gam_m - gam_j), when every factor stays within
 exp(+-MAX_SPLIT) (fp32 overflows past exp(88)): then both A's are two
 [BT, K] x [K, BT] dots whose kept entries (i >= j) are exact; the entries above
-the diagonal may overflow and are dropped. Otherwise it marks the chunk steep and
+the diagonal may overflow and are dropped. Otherwise, where each BC-row block's
+gam stays within MAX_SPLIT of the block's middle row (fla's safe_gate range), it
+takes those middle rows as the references of their blocks' rows (settings.
+INTRA_A_BLOCK_REFS). Otherwise it marks the chunk for
 kda_intra_a_fwd_steep_kernel, a separate launch so that the common kernel stays
 small, forms the A's row block by row block (BC rows), over K slices: the columns
 before block I use its first row r as reference, so both exp(gam_i - gam_r) and
@@ -44,21 +48,55 @@ def _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC: tl.constexpr):
 
 
 @triton.jit
+def _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV,
+                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One K slice's share of both A's with the middle row m of each BC-row block as
+    the reference of its rows: A[i, j] += sum_k X_ik exp(gam_ik - gam_mk) *
+    K_jk exp(gam_mk - gam_jk), X = K or Q * scale, for the columns j up to the end of
+    i's block (0 after it). Within exp(+-MAX_SPLIT) where every block's gam strays at
+    most MAX_SPLIT from its middle row; before the block exp(gam_m - gam_j) <= 1 for
+    a decaying gate. Entries above the diagonal inside the block may overflow: the
+    stores drop them. Row blocks past the sequence's end hold no row: skipped."""
+    o_r = tl.arange(0, BT)
+    b_gmb = tl.load(gam + gam_row((o_r // BC) * BC + BC // 2, T)[:, None] * (HV * K) + o_k[None, :],
+                    mask=m_k[None, :], other=0.0)
+    b_er = tl.exp(b_gam - b_gmb)
+    b_kl = b_k * b_er
+    b_ql = b_q * b_er
+    for i_i in tl.static_range(BT // BC):
+        if i_i * BC < T:
+            rows = (o_r // BC == i_i)[:, None]
+            b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_kc = tl.trans(b_k * tl.exp(tl.where((o_r < (i_i + 1) * BC)[:, None], b_gm[None, :] - b_gam,
+                                                  float("-inf"))))
+            b_akk += tl.dot(tl.where(rows, b_kl, 0.0), b_kc, input_precision=DOT_PREC)
+            b_aqk += tl.dot(tl.where(rows, b_ql, 0.0), b_kc, input_precision=DOT_PREC)
+    return b_akk, b_aqk
+
+
+@triton.jit
 def kda_intra_a_fwd_kernel(
-    q, k, g, gam, akk, aqk, steep, qg, kr,
+    q, k, g, gam, spreads, akk, aqk, steep, qg, kr,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = False,
     GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, SPREADS_IN: tl.constexpr = False, NKB: tl.constexpr = 1,
+    BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16,
 ):
     # GAM_IN: gam was written by gam_fwd.py (settings.INTRA_GAM_KERNEL): read here,
     # with its middle and last rows as vector loads, and not stored again.
-    # One pass over K slices: the A's are accumulated as if the chunk were not
-    # steep (its middle row is in every slice) and dropped if it is, so gam, Q and
-    # K are read once. On a steep chunk the split factors may overflow to inf;
+    # SPREADS_IN (with GAM_IN): gam_fwd.py also wrote how far gam strays from the
+    # chunk's middle row and from each BC-row block's (spreads, over its NKB K
+    # blocks), so the path is chosen before the K loop: the split at the middle row
+    # (steep flag 0), with BLOCK_REFS the blocks' middle rows as references (1:
+    # _block_ref_a_dots, four dots a slice; the backward takes the chunk as steep),
+    # or none here (2: the steep launch forms the A's; no dots here).
+    # Otherwise one pass over K slices: the A's are accumulated as if the chunk were
+    # not steep (its middle row is in every slice) and dropped if it is (2), so gam,
+    # Q and K are read once. On a steep chunk the split factors may overflow to inf;
     # those A's are never stored (the steep launch writes them).
     # scale in fp32 whatever the caller's scalar type: inductor's launches of the
     # export op pass a Python float as fp64, which would make Q * scale fp64.
@@ -97,6 +135,18 @@ def kda_intra_a_fwd_kernel(
     b_spread = tl.zeros([BT, BKA], dtype=tl.float32)
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    mode = 0
+    if SPREADS_IN:
+        p_sp = spreads + (g_c * HV + i_hv) * (NKB * 2)
+        chunk_spread = tl.load(p_sp)
+        block_spread = tl.load(p_sp + 1)
+        for i_kb in tl.static_range(1, NKB):
+            chunk_spread = tl.maximum(chunk_spread, tl.load(p_sp + 2 * i_kb))
+            block_spread = tl.maximum(block_spread, tl.load(p_sp + 2 * i_kb + 1))
+        if BLOCK_REFS:
+            mode = tl.where(chunk_spread <= MAX_SPLIT, 0, tl.where(block_spread <= MAX_SPLIT, 1, 2))
+        else:
+            mode = tl.where(chunk_spread <= MAX_SPLIT, 0, 2)
     for i_s in range(tl.cdiv(K, BKA)):
         o_k = i_s * BKA + tl.arange(0, BKA)
         m_k = o_k < K
@@ -112,23 +162,33 @@ def kda_intra_a_fwd_kernel(
             b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
             b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
         b_dmid = b_gam - b_gmid[None, :]
-        if SPREAD_TILE:
-            # elementwise here, one cross-warp reduction after the loop
-            b_spread = tl.maximum(b_spread, tl.abs(b_dmid))
-        else:
-            spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_dmid), 1), 0))
+        if not SPREADS_IN:
+            if SPREAD_TILE:
+                # elementwise here, one cross-warp reduction after the loop
+                b_spread = tl.maximum(b_spread, tl.abs(b_dmid))
+            else:
+                spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_dmid), 1), 0))
         b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kr + p_tk, as_stored(b_k * tl.exp(b_glast[None, :] - b_gam), kr, INTERPRET).to(kr.dtype.element_ty),
                  mask=m_tk)
-        b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
-    if SPREAD_TILE:
-        spread = tl.max(tl.max(b_spread, 1), 0)
+        if SPREADS_IN:
+            if mode == 0:
+                b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
+            elif mode == 1:
+                b_akk, b_aqk = _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV, K, BT, BC,
+                                                 DOT_PREC)
+        else:
+            b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
+    if not SPREADS_IN:
+        if SPREAD_TILE:
+            spread = tl.max(tl.max(b_spread, 1), 0)
+        mode = tl.where(spread > MAX_SPLIT, 2, 0)
 
-    is_steep = spread > MAX_SPLIT
-    tl.store(steep + g_c * HV + i_hv, is_steep.to(tl.int32))
-    if not is_steep:
+    # 0 or 1: the A's are formed here; 2: by the steep launch (any nonzero: the backward's steep path)
+    tl.store(steep + g_c * HV + i_hv, mode.to(tl.int32))
+    if mode < 2:
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
         tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
         tl.store(aqk + p_a, as_stored(tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), aqk,
@@ -157,8 +217,8 @@ def kda_intra_a_fwd_steep_kernel(
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, ROW_PROGRAMS: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False,
 ):
-    """The A's of the chunks kda_intra_a_fwd_kernel marked steep; the others return
-    at once. Row block by row block (BC rows), over K slices (BKS wide): the
+    """The A's of the chunks kda_intra_a_fwd_kernel left to it (steep flag 2); the
+    others return at once. Row block by row block (BC rows), over K slices (BKS wide): the
     columns before the block through one dot with the block's first row as
     reference; the diagonal block split at its middle row where the slice allows,
     else exactly, pair by pair. ROW_PROGRAMS: one program per row block (grid
@@ -170,7 +230,7 @@ def kda_intra_a_fwd_steep_kernel(
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
-    if tl.load(steep + g_c * HV + i_hv) != 0:
+    if tl.load(steep + g_c * HV + i_hv) == 2:  # (1: the common kernel formed them with block references)
         q += (bos * H + i_h) * K
         k += (bos * H + i_h) * K
         gam += (bos * HV + i_hv) * K

@@ -121,6 +121,14 @@ STEEP_FWD_ROW_PROGRAMS = 1
 # backward 3.841 -> 3.200 (fla 3.59-4.13 wall; intra_bwd_a 1.206 -> 0.734 ms,
 # the forward's steep A's 0.471 -> 0.300), o the same to 4e-3 of fla's: on.
 STEEP_BLOCK_REFS = 1
+# ... and in the forward, such chunks (every block within MAX_SPLIT of its middle
+# row, as gam_fwd.py measures it before intra_a_fwd runs) take those references in
+# the common kernel (1: four dots a K slice instead of the split's one, no steep
+# launch for them) rather than in the steep launch (0). With fla's layer gate
+# (lower_bound -5) nearly every chunk is steep and every one of them qualifies:
+# the steep launch took 0.30 of a 0.87 ms forward (GPU time, B1-T8192-H16) and 3.06
+# of 11.9 at 2048 packed sequences of 1-64 tokens (H200, 2026-12-01). Untimed.
+INTRA_A_BLOCK_REFS = 1
 # The scans: one program per (V block of BV_SCAN, batch * value head), sequential
 # over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
 # next chunk (two stages) where BK <= 128, which fits the H200's 227 KB of shared
@@ -160,7 +168,11 @@ SCAN_FWD_PER_SM = 1
 # programs then see about one chunk each, which no pipeline hides, while three
 # stages' shared memory (W, Kr and U tiles, about 120 KB at K = 128) leave room for
 # one program per SM: at 2048 sequences of 1-64 tokens the scan took 3.43 ms (fla's
-# 2.23) with the first chunk already out of its loop (H200, 2026-12-01). 0: off.
+# 2.23) with the first chunk already out of its loop, 2.04 with these (H200,
+# 2026-12-01, o within 4e-3 of fla's). Only where the scan's V block reached
+# BV_SCAN_MAX (programs past a wave): at V blocks of 16 (small K = V = 64 tests) the
+# same settings gave an illegal memory access and wrong outputs on the H200 (cause
+# not established; the interpreter cannot show it). 0: off.
 SHORT_SEQ_CHUNKS = 2
 SCAN_FWD_SHORT_WARPS = 4
 SCAN_FWD_SHORT_STAGES = 1
