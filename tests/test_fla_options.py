@@ -621,9 +621,10 @@ def test_cuda_matches_fla_with_layer_flags(varlen, with_states):
     """Ours and fla's chunk_kda on the same bf16 inputs with fla's layer flags
     (l2norm, gate with lower_bound and safe_gate, beta sigmoid, V-first states):
     o, final state and every grad within bf16 rounding (relative 2e-2). "short":
-    300 packed sequences of 1 to 64 tokens (the forward scan's settings for short
-    sequences, settings.SHORT_SEQ_CHUNKS); without states: no initial state and a
-    loss on o alone (training: no final-state grad either)."""
+    300 packed sequences of 1 to 64 tokens (mostly one chunk each: the scans'
+    boundary chunks out of their loops, the skipped zero state terms); without
+    states: no initial state and a loss on o alone (training: no final-state grad
+    either)."""
     fla_kda = pytest.importorskip("fla.ops.kda")
     if varlen == "short":
         lengths = torch.randint(1, 65, (300,), generator=torch.Generator().manual_seed(5)).tolist()

@@ -145,12 +145,10 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
     bf16_operands = scan_operand_dtype(q.dtype) == torch.bfloat16  # the *_BF16_DOTS options apply
     scan_b = B if scan_batch is None else scan_batch
     bv_scan_min = S.BV_SCAN if bf16_operands else S.BV_SCAN_FP32_OPERANDS
-    bv_scan_fwd = _scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_FWD or 0, bv_scan_min), S.SCAN_FWD_PER_SM)
-    # short packed sequences (settings.SHORT_SEQ_CHUNKS): the forward scan's own warps and
-    # stages, where its programs overflow a wave at the largest V block (occupancy is what
-    # they buy; the only V block they were run and checked at on the H200: 64)
+    # short packed sequences (settings.SHORT_SEQ_CHUNKS, off by default): the forward scan's
+    # own warps and stages
     short = (cu_seqlens is not None and isinstance(T, int) and isinstance(varlen["NSEQ"], int)
-             and T <= S.SHORT_SEQ_CHUNKS * BT * varlen["NSEQ"] and bv_scan_fwd >= S.BV_SCAN_MAX)
+             and T <= S.SHORT_SEQ_CHUNKS * BT * varlen["NSEQ"])
     fwd_stages = ((S.SCAN_FWD_STAGES or S.SCAN_STAGES) if bf16_operands else S.SCAN_STAGES) if BK <= 128 else 1
     return dict(
         B=B, T=T, H=H, K=K, HV=HV, V=V,
@@ -158,11 +156,11 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
-        BV_SCAN_FWD=bv_scan_fwd,
+        BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_FWD or 0, bv_scan_min), S.SCAN_FWD_PER_SM),
         SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else 1,
         # three stages of fp32 W and Kr (fp32 and fp16 inputs) need 240 KB of shared
         # memory at BK = 128, BV = 32: more than the H200's 227
-        SCAN_FWD_STAGES=min(fwd_stages, S.SCAN_FWD_SHORT_STAGES) if short else fwd_stages,
+        SCAN_FWD_STAGES=min(fwd_stages, S.SCAN_FWD_SHORT_STAGES or fwd_stages) if short else fwd_stages,
         SCAN_FWD_WARPS=S.SCAN_FWD_SHORT_WARPS if short else (S.SCAN_FWD_WARPS or S.SCAN_WARPS),
         SCAN_BF16_DOTS=bf16_operands and bool(S.SCAN_BF16_DOTS),
         OUTPUT_BF16_DOTS=bf16_operands and bool(S.OUTPUT_BF16_DOTS),

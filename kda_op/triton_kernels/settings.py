@@ -164,18 +164,17 @@ BV_SCAN_FWD = None
 SCAN_FWD_PER_SM = 1
 # Packed sequences of at most SHORT_SEQ_CHUNKS chunks on average (T <= that * BT * N,
 # known on the host without a sync; not under tracing, where T stays symbolic): the
-# forward scan runs SCAN_FWD_SHORT_WARPS warps and SCAN_FWD_SHORT_STAGES stages. Its
-# programs then see about one chunk each, which no pipeline hides, while three
-# stages' shared memory (W, Kr and U tiles, about 120 KB at K = 128) leave room for
-# one program per SM: at 2048 sequences of 1-64 tokens the scan took 3.43 ms (fla's
-# 2.23) with the first chunk already out of its loop, 2.04 with these (H200,
-# 2026-12-01, o within 4e-3 of fla's). Only where the scan's V block reached
-# BV_SCAN_MAX (programs past a wave): at V blocks of 16 (small K = V = 64 tests) the
-# same settings gave an illegal memory access and wrong outputs on the H200 (cause
-# not established; the interpreter cannot show it). 0: off.
-SHORT_SEQ_CHUNKS = 2
+# forward scan runs SCAN_FWD_SHORT_WARPS warps and SCAN_FWD_SHORT_STAGES stages (None:
+# its own). Off (0): the one setting timed faster, four warps and one stage (state_fwd
+# 3.41 -> 2.04 ms at 2048 sequences of 1-64 tokens, H200, 2026-12-01), gives wrong
+# results or an illegal memory access on the H200 (Triton 3.6, bf16) as soon as a
+# sequence has more than one chunk: a probe of the scan alone found one stage broken
+# at K = 64 and 128 with four or eight warps, three stages right at either (the
+# interpreter cannot show it; fp32 at K = 256, which takes one stage too, passes the
+# CUDA tests). Four warps at three stages are right there and untimed.
+SHORT_SEQ_CHUNKS = 0
 SCAN_FWD_SHORT_WARPS = 4
-SCAN_FWD_SHORT_STAGES = 1
+SCAN_FWD_SHORT_STAGES = None
 # bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
 # operands, the state and U' rounded to bf16 as they enter them (fp32
 # accumulation, fp32 state throughout), as fla's forward does; 0 keeps TF32 dots.
