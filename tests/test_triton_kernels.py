@@ -242,6 +242,32 @@ def _with_steep_second_chunk(dtype, seed):
     return [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES], inputs["initial_state"]
 
 
+@pytest.mark.parametrize("T_cut", [0, 40])  # 40: a partial last chunk (rows past the end read the last)
+def test_triton_gam_spread_reload_gives_the_same_bits(T_cut, monkeypatch):
+    """settings.GAM_SPREAD_RELOAD (gam_fwd.py reads the middle rows back instead of
+    cutting them out of its registers): the same spreads, so the same paths and
+    bitwise the same outputs and kept intermediates, with a steep chunk whose blocks
+    allow block references (flag 1) and one whose blocks do not (flag 2)."""
+    from kda_op.triton_kernels import settings
+    from kda_op.triton_kernels._host import _sizes
+    from kda_op.triton_kernels.fwd import _intra_fwd
+
+    inputs = _inputs(1, 3 * CHUNK_SIZE - T_cut, 1, 2, 48, 40, True, seed=61)
+    g = inputs["g"].clone()
+    g[:, CHUNK_SIZE:2 * CHUNK_SIZE] -= 4.0  # 8 rows from a block's middle: <= 60; 32 from the chunk's: > 60
+    g[:, 2 * CHUNK_SIZE:] -= 9.0  # > 60 within each block
+    inputs["g"] = g
+    args = [inputs[n] for n in NAMES]
+    results = []
+    for reload in (0, 1):
+        monkeypatch.setattr(settings, "GAM_SPREAD_RELOAD", reload)
+        x = _intra_fwd(*args, 48 ** -0.5, _sizes(args[0], args[2]), store_tm=True)
+        results.append(x)
+        assert x["steep"][0, :, 0].tolist() == [0, 1, 2]
+    for name in results[0]:
+        assert torch.equal(_bytes(results[0][name]), _bytes(results[1][name])), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
     """settings.INTRA_A_SPREAD_TILE (intra_a_fwd's steep test reduced once after its
