@@ -5,7 +5,7 @@
 #                                      # job, then our per-kernel times (bench_kernels.py)
 #   bash benchmarks/run_gpu.sh flags-verify   # every test, then the flags rows below and ours on
 #                                      # the standard shapes (after a kernel change)
-#   bash benchmarks/run_gpu.sh flags-check    # the same, shorter: the chunked kernels' CUDA tests
+#   VARIANTS="A=1" bash benchmarks/run_gpu.sh flags-check  # the same, shorter: the chunked kernels' CUDA tests
 #   bash benchmarks/run_gpu.sh kernel-tests   # test_cuda.py and test_triton_kernels.py alone
 #   VARIANTS="A=1" bash benchmarks/run_gpu.sh serve  # the pool and serving tests, steep-kernel tests,
 #                                      # bench_pool.py, serve_demo on CUDA, the layer row
@@ -154,13 +154,15 @@ flags-verify)
 kernel-tests)
     # One call: the chunked kernels' CUDA test files alone (test_cuda.py, test_triton_kernels.py
     # in four processes), which did not finish in 300-500 s beside the other groups (2026-12-01)
+    # -v: a test's PASSED line survives the time limit (in 380 s the four did not finish:
+    # test_cuda.py's four fp32 tests alone took 300 s, twelfth session)
     step "CUDA tests of the chunked kernels, nothing else running"
     L=${TEST_LIMIT:-540}
     BIG="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t3.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" > "$TLOGS/t4.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" > "$TLOGS/t4.txt" 2>&1 &
     collect_tests
     ;;
 flags-check)
@@ -177,12 +179,13 @@ flags-check)
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t5.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" > "$TLOGS/t6.txt" 2>&1 &
     collect_tests
+    read -r -a VARS <<< "${VARIANTS:-}"
     step "ours and fla, layer flags"
     timeout "${BENCH_LIMIT:-90}" python3 benchmarks/bench_chunk_kda.py --mode layer --shapes ${FLAGS_SHAPES:-B1-T8192-H16} \
-        --kernels --out "$OUT/RESULTS_layer.md" >> "$LOG" 2>&1
+        --kernels --variants "${VARS[@]}" --out "$OUT/RESULTS_layer.md" >> "$LOG" 2>&1
     step "ours and fla, varlen"
     timeout "${VARLEN_LIMIT:-120}" python3 benchmarks/bench_chunk_kda.py --mode varlen --kernels \
-        --out "$OUT/RESULTS_varlen.md" >> "$LOG" 2>&1
+        --variants "${VARS[@]}" --out "$OUT/RESULTS_varlen.md" >> "$LOG" 2>&1
     ;;
 serve)
     # One call: the pool's and serving loop's tests on CUDA, the steep kernels'
