@@ -1,0 +1,91 @@
+"""profiling/roofline.py: its cost model, its reading of the benchmark's kernel tables,
+and the table and plot it makes from the measured times kept in the repository."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "profiling"))
+import roofline  # noqa: E402
+
+LOG = """\
+B1-T8192-H16 layer-style: ours: forward: 0.730 ms of kernels per step
+       0.201 ms  kda_intra_a_fwd_kernel
+B1-T8192-H16 layer-style: ours: forward+backward: 2.917 ms of kernels per step
+       0.710 ms  kda_intra_bwd_a_kernel
+       0.185 ms  kda_state_fwd_kernel
+B1-T8192-H16 layer-style: fla: forward+backward: 2.364 ms of kernels per step
+       0.650 ms  chunk_kda_bwd_kernel_wy_dqkg_fused
+"""
+
+
+def test_parse_kernel_times_takes_the_labelled_table_only():
+    got = roofline.parse_kernel_times(LOG, "B1-T8192-H16 layer-style: ours")
+    assert got == {"kda_intra_bwd_a_kernel": 0.710, "kda_state_fwd_kernel": 0.185}
+    assert roofline.parse_kernel_times(LOG, "B1-T8192-H16 layer-style: ours", "forward") == {
+        "kda_intra_a_fwd_kernel": 0.201}
+    with pytest.raises(ValueError, match="no kernel table"):
+        roofline.parse_kernel_times(LOG, "B8-T8192-H16: ours")
+
+
+def test_costs_of_the_scan_and_the_output_by_hand():
+    """Two sequences of 100 tokens (two chunks each), H = HV = 2, K = 32, V = 16, an
+    initial state: the forward scan and the output kernel counted by hand."""
+    s = roofline.Shape(lengths=(100, 100), H=2, HV=2, K=32, V=16, initial_state=True)
+    costs = roofline.kernel_costs(s)
+    tok, chunks, seqh, state = 200 * 2, 2 * 2 * 2, 2 * 2, 32 * 16
+    # reads Kr, W (bf16, K), U (bf16, V), h0 (fp32); writes U' (bf16, V), the chunk
+    # states (bf16, one per chunk and one final per sequence) and the final states (fp32)
+    want_bytes = 2 * tok * 32 * 2 + tok * 16 * 2 + seqh * state * 4 + tok * 16 * 2 + (chunks + seqh) * state * 2 \
+        + seqh * state * 4
+    assert costs["kda_state_fwd_kernel"][:2] == (want_bytes, chunks * 2 * 2 * 64 * 32 * 16)
+    # reads A_qk (bf16, 64 a row), U', and Qg and S0 of every chunk (an initial state); writes o
+    want_bytes = tok * 64 * 2 + tok * 16 * 2 + tok * 32 * 2 + chunks * state * 2 + tok * 16 * 2
+    assert costs["kda_output_fwd_kernel"][:2] == (want_bytes, chunks * 2 * 64 * 32 * 16 + chunks * 2 * 64 * 64 * 16)
+
+
+def test_costs_skip_the_zero_state_terms_of_one_chunk_sequences():
+    """Without initial states or final-state grads a one-chunk sequence has no state
+    term: intra_bwd_w computes nothing for it (it stores zeros), the backward scan
+    nothing; a two-chunk sequence still does."""
+    short = roofline.kernel_costs(roofline.Shape(lengths=(30, 64, 1), H=1, HV=1))
+    assert short["kda_intra_bwd_w_kernel"][1] == 0 and short["kda_state_bwd_kernel"][1] == 0
+    with_states = roofline.kernel_costs(roofline.Shape(lengths=(30, 64, 1), H=1, HV=1, initial_state=True,
+                                                       final_state_grad=True))
+    assert with_states["kda_intra_bwd_w_kernel"][1] > 0 and with_states["kda_state_bwd_kernel"][1] > 0
+    longer = roofline.kernel_costs(roofline.Shape(lengths=(30, 65), H=1, HV=1))
+    assert longer["kda_intra_bwd_w_kernel"][1] > 0 and longer["kda_state_bwd_kernel"][1] > 0
+    # the output kernel reads Qg only in the second chunk of the 65-token sequence (1 row)
+    no_s0 = roofline.kernel_costs(roofline.Shape(lengths=(30, 65), H=1, HV=1))["kda_output_fwd_kernel"][0]
+    all_s0 = roofline.kernel_costs(roofline.Shape(lengths=(30, 65), H=1, HV=1, initial_state=True))
+    assert all_s0["kda_output_fwd_kernel"][0] - no_s0 == 94 * 128 * 2 + 2 * 128 * 128 * 2
+    with pytest.raises(ValueError, match="lengths"):
+        roofline.kernel_costs(roofline.Shape(lengths=(), H=1, HV=1))
+
+
+def test_block_references_count_four_dots_a_slice():
+    plain = roofline.kernel_costs(roofline.Shape(lengths=(128,), H=1, HV=1))
+    refs = roofline.kernel_costs(roofline.Shape(lengths=(128,), H=1, HV=1, block_refs=1.0))
+    for name in ("kda_intra_a_fwd_kernel", "kda_intra_bwd_a_kernel"):
+        assert refs[name][1] == 4 * plain[name][1], name
+
+
+def test_main_writes_the_table_and_the_plot_from_the_kept_times(tmp_path, capsys):
+    path = os.path.join(os.path.dirname(__file__), "..", "profiling", "kernel_times.json")
+    out = tmp_path / "roofline.png"
+    assert roofline.main([path, "--case", "B1-T8192-H16-layer", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| intra_bwd_a | 0.710 |" in text and "**all**" in text
+    assert out.stat().st_size > 10_000
+    # every row under its ceilings: achieved bytes/s no more than the copy ceiling by
+    # more than the measurement's noise (the model counts each tensor once: a lower bound)
+    with open(path) as f:
+        case = json.load(f)["cases"]["B1-T8192-H16-layer"]
+    rows = roofline.rows_for(roofline.shape_of(case), case["ours_ms"])
+    assert rows and all(r.tbs <= 1.05 * roofline.COPY_TBS for r in rows)
+    with pytest.raises(SystemExit, match="unknown case"):
+        roofline.main([path, "--case", "nope"])
