@@ -78,9 +78,11 @@ def test_cuda_short_sequences_match_reference(T, dtype):
         assert _rel_err(a, b) < tol, (name, _rel_err(a, b))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_cuda_half_precision_matches_reference(dtype):
-    B, T, H, G, K, V = 2, 333, 2, 2, 128, 128
+# K = 256: the scans take one pipeline stage there (shared memory), the setting a probe
+# found wrong for bf16 at K = 64 and 128 on the H200 (benchmarks/NOTES.md, twelfth session)
+@pytest.mark.parametrize("dtype,K", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 256)])
+def test_cuda_half_precision_matches_reference(dtype, K):
+    B, T, H, G, V = 2, 333, 2, 2, K
     inputs = _cuda_inputs(B, T, H, G, K, V, dtype, seed=11)
     do = torch.randn(B, T, H * G, V, device="cuda", dtype=dtype)
     dht = torch.randn(B, H * G, K, V, device="cuda")
