@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     vl_seq = dict(cu_seqlens="*i64", chunk_offsets="*i64")
     runs = [
         (gam_fwd.kda_gam_fwd_kernel, dict(**vl_chunk, g=graw, gam=f32, spreads=f32, **gate_sig, **ints),
-         dict(**varlen, K=K, BT=BT, BKG=S.BKG, **gate, BC=BC, SPREADS=True, SPREAD_RELOAD=bool(S.GAM_SPREAD_RELOAD)),
+         dict(**varlen, K=K, BT=BT, BKG=S.BKG, **gate, BC=BC, SPREADS=True),
          S.GAM_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(**vl_chunk, q=x, k=x, g=f32, gam=f32, spreads=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op,

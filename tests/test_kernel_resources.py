@@ -37,7 +37,7 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
     ("--gate", "2"),  # ... lower-bound form
     ("--varlen", "--gate", "1"),  # packed sequences (cu_seqlens), as fla's layer trains
     ("--gate", "2", "--set", "STEEP_BLOCK_REFS=1"),  # the steep chunks' block references
-    ("--gate", "2", "--set", "GAM_SPREAD_RELOAD=1", "INTRA_A_BLOCK_REFS=0"),  # gam_fwd's spreads read back
+    ("--gate", "2", "--set", "INTRA_A_BLOCK_REFS=0"),  # the forward's steep chunks all through the steep launch
 ])
 def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
     """bf16 inputs under the options that are not the defaults."""

@@ -243,29 +243,45 @@ def _with_steep_second_chunk(dtype, seed):
 
 
 @pytest.mark.parametrize("T_cut", [0, 40])  # 40: a partial last chunk (rows past the end read the last)
-def test_triton_gam_spread_reload_gives_the_same_bits(T_cut, monkeypatch):
-    """settings.GAM_SPREAD_RELOAD (gam_fwd.py reads the middle rows back instead of
-    cutting them out of its registers): the same spreads, so the same paths and
-    bitwise the same outputs and kept intermediates, with a steep chunk whose blocks
-    allow block references (flag 1) and one whose blocks do not (flag 2)."""
+def test_triton_gam_spreads_and_the_paths_they_pick(T_cut, monkeypatch):
+    """gam_fwd.py's spreads (how far gam strays from each chunk's middle row, and the
+    largest from a 16-row block's middle row, per K block) against torch on gam padded
+    with its last row, and the path intra_a_fwd takes from them: a chunk of ordinary
+    gates (flag 0), one steep whose blocks allow block references (1), one whose
+    blocks do not (2)."""
     from kda_op.triton_kernels import settings
     from kda_op.triton_kernels._host import _sizes
     from kda_op.triton_kernels.fwd import _intra_fwd
+    from kda_op.triton_kernels.gam_fwd import kda_gam_fwd_kernel
+    from kda_op.triton_kernels.settings import BC
 
-    inputs = _inputs(1, 3 * CHUNK_SIZE - T_cut, 1, 2, 48, 40, True, seed=61)
+    monkeypatch.setattr(settings, "BKG", 32)  # K = 48: one whole and one partial K block
+    B, T, HV, K = 1, 3 * CHUNK_SIZE - T_cut, 2, 48
+    inputs = _inputs(B, T, 1, HV, K, 40, True, seed=61)
     g = inputs["g"].clone()
     g[:, CHUNK_SIZE:2 * CHUNK_SIZE] -= 4.0  # 8 rows from a block's middle: <= 60; 32 from the chunk's: > 60
     g[:, 2 * CHUNK_SIZE:] -= 9.0  # > 60 within each block
+    NC, NKB = 3, 2
+    gam = torch.empty(B, T, HV, K, dtype=torch.float32, device=DEVICE)
+    spreads = torch.full((B * NC * HV * NKB * 2,), float("nan"), device=DEVICE)
+    kda_gam_fwd_kernel[(NC, B * HV, NKB)](g, gam, spreads, g, g, 0.0, g, g, T, NC, H=1, HV=HV, K=K, BT=CHUNK_SIZE,
+                                          BKG=32, SPREADS=True, BC=BC)
+    want_gam = torch.cat([torch.cumsum(g[:, c * CHUNK_SIZE:(c + 1) * CHUNK_SIZE].double(), 1) for c in range(NC)], 1)
+    torch.testing.assert_close(gam.double().cpu(), want_gam.cpu(), rtol=1e-5, atol=1e-4)  # fp32 cumsum order
+    padded = torch.cat([gam, gam[:, -1:].expand(B, NC * CHUNK_SIZE - T, HV, K)], 1).cpu()
+    chunks = padded.view(B, NC, CHUNK_SIZE, HV, K)
+    got = spreads.view(B, NC, HV, NKB, 2).cpu()
+    for kb in range(NKB):
+        cols = chunks[..., kb * 32:(kb + 1) * 32]
+        chunk_spread = (cols - cols[:, :, CHUNK_SIZE // 2:CHUNK_SIZE // 2 + 1]).abs().amax((2, 4))
+        blocks = cols.reshape(B, NC, CHUNK_SIZE // BC, BC, HV, cols.shape[-1])
+        block_spread = (blocks - blocks[:, :, :, BC // 2:BC // 2 + 1]).abs().amax((2, 3, 5))
+        assert torch.equal(got[..., kb, 0], chunk_spread), kb  # the same fp32 gam: exact
+        assert torch.equal(got[..., kb, 1], block_spread), kb
     inputs["g"] = g
     args = [inputs[n] for n in NAMES]
-    results = []
-    for reload in (0, 1):
-        monkeypatch.setattr(settings, "GAM_SPREAD_RELOAD", reload)
-        x = _intra_fwd(*args, 48 ** -0.5, _sizes(args[0], args[2]), store_tm=True)
-        results.append(x)
-        assert x["steep"][0, :, 0].tolist() == [0, 1, 2]
-    for name in results[0]:
-        assert torch.equal(_bytes(results[0][name]), _bytes(results[1][name])), name
+    x = _intra_fwd(*args, K ** -0.5, _sizes(args[0], args[2]), store_tm=False)
+    assert x["steep"][0, :, 0].tolist() == [0, 1, 2]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

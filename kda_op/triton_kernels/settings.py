@@ -129,14 +129,6 @@ STEEP_BLOCK_REFS = 1
 # the steep launch took 0.30 of a 0.87 ms forward (GPU time, B1-T8192-H16) and 3.06
 # of 11.9 at 2048 packed sequences of 1-64 tokens (H200, 2026-12-01). Untimed.
 INTRA_A_BLOCK_REFS = 1
-# gam_fwd.py's spreads for that choice: the middle rows cut out of its registers by
-# cross-warp reductions (0), or read back from the gam it just stored (1). With 0 the
-# kernel took 0.035 -> 0.102 ms at varlen-mixed-T8192 and 0.39 -> 1.36 ms at 2048
-# packed sequences of 1-64 tokens (H200, 2026-12-01); 1, with one reduction over the
-# flattened tile for each spread, is untimed: 2312 SASS instructions against 3832
-# (12 shuffles against 644; the kernel before the spreads: 1872), bitwise the same
-# spreads under the interpreter (tests/test_triton_kernels.py).
-GAM_SPREAD_RELOAD = 0
 # The scans: one program per (V block of BV_SCAN, batch * value head), sequential
 # over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
 # next chunk (two stages) where BK <= 128, which fits the H200's 227 KB of shared
