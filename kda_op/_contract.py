@@ -143,7 +143,8 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
       u    [B, T, HV, V] fp32      Tm diag(beta) V        (residual_dtype: bf16 for bf16 inputs)
       up   [B, T, HV, V] fp32      U - W S0, the residuals of the forward's scan (likewise)
       qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
-      steep [B, NC, HV] int32      which chunks took the steep path
+      steep [B, NC, HV] int32      each chunk's path: 0 split at its middle row; 1, 2 steep
+                                   (intra_a_fwd.py: block references, or the steep launch)
 
     ``num_seqs``: N packed sequences (``cu_seqlens``, B = 1): NC (steep's chunk
     count) is then the bound ``varlen_chunk_slots(T, N)``.
