@@ -171,13 +171,13 @@ def main(argv: list[str] | None = None) -> int:
     vl_seq = dict(cu_seqlens="*i64", chunk_offsets="*i64")
     runs = [
         (gam_fwd.kda_gam_fwd_kernel, dict(**vl_chunk, g=graw, gam=f32, spreads=f32, **gate_sig, **ints),
-         dict(**varlen, K=K, BT=BT, BKG=S.BKG, **gate, BC=BC, SPREADS=True),
+         dict(**varlen, K=K, BT=BT, BKG=S.BKG, **gate, BC=BC),
          S.GAM_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(**vl_chunk, q=x, k=x, g=f32, gam=f32, spreads=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op,
               scale=scale_type, **ints),
          dict(**varlen, K=K, BT=BT, BKA=S.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
-              GAM_IN=bool(S.INTRA_GAM_KERNEL), SPREADS_IN=bool(S.INTRA_GAM_KERNEL), NKB=triton.cdiv(K, S.BKG),
+              GAM_IN=bool(S.INTRA_GAM_KERNEL), NKB=triton.cdiv(K, S.BKG),
               BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC),
          S.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,

@@ -265,7 +265,7 @@ def test_triton_gam_spreads_and_the_paths_they_pick(T_cut, monkeypatch):
     gam = torch.empty(B, T, HV, K, dtype=torch.float32, device=DEVICE)
     spreads = torch.full((B * NC * HV * NKB * 2,), float("nan"), device=DEVICE)
     kda_gam_fwd_kernel[(NC, B * HV, NKB)](g, gam, spreads, g, g, 0.0, g, g, T, NC, H=1, HV=HV, K=K, BT=CHUNK_SIZE,
-                                          BKG=32, SPREADS=True, BC=BC)
+                                          BKG=32, BC=BC)
     want_gam = torch.cat([torch.cumsum(g[:, c * CHUNK_SIZE:(c + 1) * CHUNK_SIZE].double(), 1) for c in range(NC)], 1)
     torch.testing.assert_close(gam.double().cpu(), want_gam.cpu(), rtol=1e-5, atol=1e-4)  # fp32 cumsum order
     padded = torch.cat([gam, gam[:, -1:].expand(B, NC * CHUNK_SIZE - T, HV, K)], 1).cpu()

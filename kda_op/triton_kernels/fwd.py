@@ -71,12 +71,12 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         _kernel(kda_gam_fwd_kernel, traced)[(NC, B * HV, NKB)](
             g, gam, spreads, ga["A_log"], ga["dt_bias"], ga["lower_bound"], *s["VL_CHUNK"], T, NC, H=s["H"], HV=HV,
             K=K, BT=BT, BKG=S.BKG, GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
-            IS_VARLEN=s["IS_VARLEN"], BC=BC, SPREADS=True, num_warps=S.GAM_WARPS,
+            IS_VARLEN=s["IS_VARLEN"], BC=BC, num_warps=S.GAM_WARPS,
         )
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
         q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
         SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
-        SPREADS_IN=gam_kernel, NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC,
+        NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC,
         num_warps=S.INTRA_A_FWD_WARPS, **regs,
     )
     row_programs = bool(S.STEEP_FWD_ROW_PROGRAMS)

@@ -83,12 +83,12 @@ def kda_intra_a_fwd_kernel(
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = False,
     GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False, SPREADS_IN: tl.constexpr = False, NKB: tl.constexpr = 1,
+    IS_VARLEN: tl.constexpr = False, NKB: tl.constexpr = 1,
     BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16,
 ):
     # GAM_IN: gam was written by gam_fwd.py (settings.INTRA_GAM_KERNEL): read here,
     # with its middle and last rows as vector loads, and not stored again.
-    # SPREADS_IN (with GAM_IN): gam_fwd.py also wrote how far gam strays from the
+    # gam_fwd.py (GAM_IN) also wrote how far gam strays from the
     # chunk's middle row and from each BC-row block's (spreads, over its NKB K
     # blocks), so the path is chosen before the K loop: the split at the middle row
     # (steep flag 0), with BLOCK_REFS the blocks' middle rows as references (1:
@@ -136,7 +136,7 @@ def kda_intra_a_fwd_kernel(
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     mode = 0
-    if SPREADS_IN:
+    if GAM_IN:
         p_sp = spreads + (g_c * HV + i_hv) * (NKB * 2)
         chunk_spread = tl.load(p_sp)
         block_spread = tl.load(p_sp + 1)
@@ -162,7 +162,7 @@ def kda_intra_a_fwd_kernel(
             b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
             b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
         b_dmid = b_gam - b_gmid[None, :]
-        if not SPREADS_IN:
+        if not GAM_IN:
             if SPREAD_TILE:
                 # elementwise here, one cross-warp reduction after the loop
                 b_spread = tl.maximum(b_spread, tl.abs(b_dmid))
@@ -173,7 +173,7 @@ def kda_intra_a_fwd_kernel(
         tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
         tl.store(kr + p_tk, as_stored(b_k * tl.exp(b_glast[None, :] - b_gam), kr, INTERPRET).to(kr.dtype.element_ty),
                  mask=m_tk)
-        if SPREADS_IN:
+        if GAM_IN:
             if mode == 0:
                 b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
             elif mode == 1:
@@ -181,7 +181,7 @@ def kda_intra_a_fwd_kernel(
                                                  DOT_PREC)
         else:
             b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
-    if not SPREADS_IN:
+    if not GAM_IN:
         if SPREAD_TILE:
             spread = tl.max(tl.max(b_spread, 1), 0)
         mode = tl.where(spread > MAX_SPLIT, 2, 0)
