@@ -482,6 +482,46 @@ def test_varlen_chunk_states_layout():
     assert slot < cs.shape[1] and (cs[0, slot:] == 0).all()
 
 
+@pytest.mark.parametrize("with_h0", [False, True])
+def test_triton_short_packed_sequences_scan_block(with_h0, monkeypatch):
+    """Short packed sequences (settings.SHORT_SEQ_CHUNKS) take the scans' V block from
+    the sequence count: with a wave of four programs the block grows to the largest, so each
+    scan program walks V = 64 columns at once; forward and backward against the
+    reference op (fp32), a sequence of two chunks and one of none among them."""
+    device = _triton_or_skip()
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import kda_bwd_triton, kda_fwd_triton
+    from kda_op.triton_kernels import settings as S
+    from kda_op.triton_kernels._host import _sizes
+
+    lengths = [1, 70, 0, 33, 2]
+    x, cu = _packed(lengths, seed=31, dtype=torch.float32, H=1, G=1, K=32, V=64)
+    x["k"] = F.normalize(x["k"], dim=-1)
+    x["beta"] = torch.sigmoid(x["beta"])
+    x["g"] = -torch.rand_like(x["g"])  # log decays
+    cpu_args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    args = [t.to(device) for t in cpu_args]
+    h0_cpu = x["initial_state"] if with_h0 else None
+    h0, cu_d = (None if h0_cpu is None else h0_cpu.to(device)), cu.to(device)
+    monkeypatch.setattr(S, "SCAN_SMS", 4)  # a wave of 4 programs: one sequence fits it, five do not
+    blocks = {}
+    for chunks in (0, 2):
+        monkeypatch.setattr(S, "SHORT_SEQ_CHUNKS", chunks)
+        sz = _sizes(args[0], args[2], cu_seqlens=cu_d)
+        blocks[chunks] = (sz["BV_SCAN"], sz["BV_SCAN_FWD"])  # the kernels below run with the last: 2
+    assert blocks[2] == (64, 64) and blocks[0][0] < 64, blocks  # from N = 5 sequences, not B = 1
+    want = _reference_fwd(*cpu_args, None, h0_cpu, None, cu)
+    got = kda_fwd_triton(*args, None, h0, False, cu_seqlens=cu_d)
+    for name, a, b in zip(("o", "final_state", "chunk_states"), got, want):
+        torch.testing.assert_close(a.cpu(), b, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+    gen = torch.Generator().manual_seed(7)
+    do, dht = torch.randn(want[0].shape, generator=gen), torch.randn(want[1].shape, generator=gen)
+    grads_ref = _reference_bwd(*cpu_args, None, h0_cpu, want[2], do, dht, None, cu)
+    grads = kda_bwd_triton(*args, None, h0, got[2], do.to(device), dht.to(device), None, cu_seqlens=cu_d)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
+        torch.testing.assert_close(a.cpu(), b, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("with_h0,with_dht", [(True, True), (False, False), (True, False)])
 def test_triton_varlen_matches_reference(with_h0, with_dht):
     """Every kernel with IS_VARLEN (forward, both backwards, the gate), against the

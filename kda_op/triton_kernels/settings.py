@@ -164,16 +164,17 @@ BV_SCAN_FWD = None
 SCAN_FWD_PER_SM = 1
 # Packed sequences of at most SHORT_SEQ_CHUNKS chunks on average (T <= that * BT * N,
 # known on the host without a sync; not under tracing, where T stays symbolic): the
-# forward scan runs SCAN_FWD_SHORT_WARPS warps and SCAN_FWD_SHORT_STAGES stages (None:
-# its own). Off (0): the one setting timed faster, four warps and one stage (state_fwd
-# 3.41 -> 2.04 ms at 2048 sequences of 1-64 tokens, H200, 2026-12-01), gives wrong
-# results or an illegal memory access on the H200 (Triton 3.6, bf16) as soon as a
-# sequence has more than one chunk: a probe of the scan alone found one stage broken
-# at K = 64 and 128 with four or eight warps, three stages right at either (the
-# interpreter cannot show it; fp32 at K = 256, which takes one stage too, passes the
-# CUDA tests). Four warps at three stages are right there and untimed.
+# scans' V block is chosen from the N sequences, not from B = 1 (at 2048 sequences of
+# 16 heads a V block of 16 makes 262144 one-chunk programs, one per SM at a time),
+# and the forward scan runs SCAN_FWD_SHORT_WARPS warps and SCAN_FWD_SHORT_STAGES
+# stages (None: its own). Never one stage: four warps at one stage (state_fwd 3.41 ->
+# 2.04 ms at 2048 sequences of 1-64 tokens, H200, 2026-12-01) gave wrong results or an
+# illegal memory access on the H200 (Triton 3.6, bf16) as soon as a sequence had more
+# than one chunk; a probe of the scan alone found one stage broken at K = 64 and 128
+# with four or eight warps, three stages right at either (the interpreter cannot show
+# it; fp32 at K = 256, which takes one stage too, passes the CUDA tests).
 SHORT_SEQ_CHUNKS = 0
-SCAN_FWD_SHORT_WARPS = 4
+SCAN_FWD_SHORT_WARPS = None
 SCAN_FWD_SHORT_STAGES = None
 # bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
 # operands, the state and U' rounded to bf16 as they enter them (fp32
