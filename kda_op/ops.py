@@ -97,6 +97,7 @@ def chunk_kda_fwd(
     use_gate: bool = False,
     lower_bound: Optional[float] = None,
     cu_seqlens: Optional[Tensor] = None,
+    output_final_state: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """KDA forward. Returns ``(o [B,T,HV,V], final_state [B,HV,K,V],
     chunk_states [B,NC+1,HV,K,V], intermediates [N] uint8)``; ``chunk_states``
@@ -108,9 +109,21 @@ def chunk_kda_fwd(
     empty otherwise, and always on the reference (CPU, fp64). ``use_gate``: ``g``
     is fla's raw gate (module docstring). ``cu_seqlens`` [N + 1]: N sequences
     packed along T (B = 1); the states are then [N, HV, K, V] and the chunk states
-    [1, T // 64 + 2 N, HV, K, V] (``kda_op._contract.varlen_state_slots``)."""
-    return _reference_fwd(q, k, v, g, beta, scale, initial_state, _gate(A_log, dt_bias, use_gate, lower_bound),
-                          cu_seqlens)
+    [1, T // 64 + 2 N, HV, K, V] (``kda_op._contract.varlen_state_slots``).
+    ``output_final_state=False``: ``final_state`` is empty ([0]) and never formed
+    (training: at 2048 packed sequences of 16 heads it is 2 GiB of fp32 written
+    for nothing); its grad is then none."""
+    return _final_state_as_asked(
+        _reference_fwd(q, k, v, g, beta, scale, initial_state, _gate(A_log, dt_bias, use_gate, lower_bound),
+                       cu_seqlens), output_final_state)
+
+
+def _final_state_as_asked(outputs: tuple, output_final_state: bool) -> tuple:
+    """The forward op's outputs with the final state empty unless asked for."""
+    if output_final_state:
+        return outputs
+    o, final_state, *rest = outputs
+    return (o, final_state.new_empty(0), *rest)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::chunk_kda_bwd", mutates_args=(), device_types="cpu")
@@ -160,7 +173,8 @@ def _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt
 def _setup_context(ctx, inputs, output) -> None:
     _, _, chunk_states, intermediates = output
     ctx.mark_non_differentiable(chunk_states, intermediates)
-    q, k, v, g, beta, scale, initial_state, _keep, A_log, dt_bias, use_gate, lower_bound, cu_seqlens = inputs
+    q, k, v, g, beta, scale, initial_state, _keep, A_log, dt_bias, use_gate, lower_bound, cu_seqlens, with_ht = inputs
+    ctx.output_final_state = with_ht  # else the (empty) final state's grad, if any, is not a dht
     _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound,
                           cu_seqlens, chunk_states, intermediates)
 
@@ -184,10 +198,11 @@ def _input_grads(ctx, do: Optional[Tensor], dht: Optional[Tensor], intermediates
 
 
 def _backward(ctx, do: Optional[Tensor], dht: Optional[Tensor], _dchunk_states, _dintermediates):
+    dht = dht if ctx.output_final_state else None
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, ctx.saved_tensors[10])
     # one grad per input: q, k, v, g, beta, scale, initial_state, keep_intermediates,
-    # A_log, dt_bias, use_gate, lower_bound, cu_seqlens
-    return dq, dk, dv, dg, dbeta, None, dh0, None, dA_log, ddt_bias, None, None, None
+    # A_log, dt_bias, use_gate, lower_bound, cu_seqlens, output_final_state
+    return dq, dk, dv, dg, dbeta, None, dh0, None, dA_log, ddt_bias, None, None, None, None
 
 
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -198,14 +213,15 @@ chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
 # (fp32 state) do not serve, run the einsum reference on the GPU: exact, slow.
 @chunk_kda_fwd.register_kernel("cuda")
 def _chunk_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state, keep_intermediates=False, A_log=None,
-                        dt_bias=None, use_gate=False, lower_bound=None, cu_seqlens=None):
+                        dt_bias=None, use_gate=False, lower_bound=None, cu_seqlens=None, output_final_state=True):
     gate = _gate(A_log, dt_bias, use_gate, lower_bound)
     if not chunked_kernels_serve(q.device.type, q.dtype):
-        return _reference_fwd(q, k, v, g, beta, scale, initial_state, gate, cu_seqlens)
+        return _final_state_as_asked(_reference_fwd(q, k, v, g, beta, scale, initial_state, gate, cu_seqlens),
+                                     output_final_state)
     from .triton_kernels import kda_fwd_triton
 
     return kda_fwd_triton(q, k, v, g, beta, scale, initial_state, keep_intermediates, gate=gate,
-                          cu_seqlens=cu_seqlens)
+                          cu_seqlens=cu_seqlens, output_final_state=output_final_state)
 
 
 @chunk_kda_bwd.register_kernel("cuda")
@@ -312,7 +328,8 @@ def _recurrent_backward(ctx, do: Tensor, dht: Tensor):
     # states, the backward recomputes them with the chunked forward.
     q, k, v, g, beta, initial_state, A_log, dt_bias, cu_seqlens = ctx.saved_tensors[:9]
     _, _, chunk_states, intermediates = torch.ops.kda_op.chunk_kda_fwd(
-        q, k, v, g, beta, ctx.scale, initial_state, True, A_log, dt_bias, ctx.use_gate, ctx.lower_bound, cu_seqlens
+        q, k, v, g, beta, ctx.scale, initial_state, True, A_log, dt_bias, ctx.use_gate, ctx.lower_bound, cu_seqlens,
+        False,
     )
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, intermediates, chunk_states)
     return dq, dk, dv, dg, dbeta, None, dh0, dA_log, ddt_bias, None, None, None

@@ -514,6 +514,9 @@ def test_triton_short_packed_sequences_scan_block(with_h0, monkeypatch):
     got = kda_fwd_triton(*args, None, h0, False, cu_seqlens=cu_d)
     for name, a, b in zip(("o", "final_state", "chunk_states"), got, want):
         torch.testing.assert_close(a.cpu(), b, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+    # without the final state (training): not stored, the rest bitwise the same
+    o, ht, cs, _ = kda_fwd_triton(*args, None, h0, False, cu_seqlens=cu_d, output_final_state=False)
+    assert ht.shape == (0,) and torch.equal(o, got[0]) and torch.equal(cs, got[2])
     gen = torch.Generator().manual_seed(7)
     do, dht = torch.randn(want[0].shape, generator=gen), torch.randn(want[1].shape, generator=gen)
     grads_ref = _reference_bwd(*cpu_args, None, h0_cpu, want[2], do, dht, None, cu)

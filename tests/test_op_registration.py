@@ -50,6 +50,30 @@ def test_opcheck_forward(with_initial_state, dtype):
 
 
 @pytest.mark.parametrize("with_initial_state", [True, False])
+def test_forward_without_final_state(with_initial_state):
+    """output_final_state=False: the final state is empty (fake kernel, opcheck),
+    everything else as with it, and the grads of the inputs through o alone the
+    same as with a final state that got no grad."""
+    inputs = make_inputs(
+        B=2, T=CHUNK_SIZE + 3, H=2, G=2, K=8, V=4, dtype=torch.float32,
+        with_initial_state=with_initial_state, requires_grad=True,
+    )
+    op = torch.ops.kda_op.chunk_kda_fwd.default
+    kwargs = dict(output_final_state=False)
+    torch.library.opcheck(op, _fwd_args(inputs), kwargs, test_utils=OPCHECK_UTILS)
+    o, ht, cs, _ = op(*_fwd_args(inputs), **kwargs)
+    o_full, ht_full, cs_full, _ = op(*_fwd_args(inputs))
+    assert ht.shape == (0,) and ht_full.shape == (2, 4, 8, 4)
+    assert torch.equal(o, o_full) and torch.equal(cs, cs_full)
+    do = torch.randn_like(o)
+    leaves = [x for x in inputs.values() if x is not None]
+    grads = torch.autograd.grad(o, leaves, do)
+    grads_full = torch.autograd.grad(o_full, leaves, do)
+    for a, b in zip(grads, grads_full):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("with_initial_state", [True, False])
 @pytest.mark.parametrize("with_dht", [True, False])
 def test_opcheck_backward(with_initial_state, with_dht):
     inputs = make_inputs(

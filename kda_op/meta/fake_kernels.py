@@ -46,8 +46,11 @@ def chunk_kda_fwd_fake(
     use_gate: bool = False,
     lower_bound: Optional[float] = None,
     cu_seqlens: Optional[Tensor] = None,
+    output_final_state: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     o, final_state = _output_and_final_state(q, v, cu_seqlens)
+    if not output_final_state:
+        final_state = final_state.new_empty(0)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     if cu_seqlens is None:

@@ -100,6 +100,7 @@ def kda_fwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
     keep_intermediates: bool = False, gate: Optional[tuple] = None, cu_seqlens: Optional[Tensor] = None,
+    output_final_state: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Chunked forward: ``(o, final_state, chunk_states, intermediates)`` as
     ``chunk_kda_fwd``. ``intermediates`` is the flat uint8 buffer of
@@ -108,7 +109,8 @@ def kda_fwd_triton(
     ``gate``: None, or fla's in-kernel gate ``(A_log, dt_bias, lower_bound)``
     with ``g`` the raw gate (``_host._gate_args``). ``cu_seqlens``: N sequences
     packed along T (B = 1; _indexing.py); states are then [N, HV, K, V] and the
-    chunk states ``_contract.varlen_state_slots`` slots."""
+    chunk states ``_contract.varlen_state_slots`` slots. ``output_final_state=False``:
+    the final state is empty ([0]), never stored."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     s = _sizes(q, v, cu_seqlens=cu_seqlens)
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
@@ -132,8 +134,8 @@ def kda_fwd_triton(
         else:
             chunk_states[:, 0].copy_(h0)
         chunk_states[:, 1].copy_(ht)
-        return o, ht, chunk_states, intermediates
-    ht = torch.empty(s["NSEQ"], HV, K, V, **f32)
+        return o, (ht if output_final_state else ht.new_empty(0)), chunk_states, intermediates
+    ht = torch.empty(s["NSEQ"], HV, K, V, **f32) if output_final_state else torch.empty(0, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     if s["NSEQ"] * HV == 0:
         return o, ht, chunk_states, intermediates
@@ -147,24 +149,26 @@ def kda_fwd_triton(
     up = kept["up"] if keep_intermediates and NC > 0 and T > 0 else torch.empty(B, T, HV, V, device=q.device,
                                                                                   dtype=residual_dtype(q.dtype))
     with record_function("kda_op::fwd::state_scan"):
-        _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=False)
+        _state_scan_fwd(x, h0, up, chunk_states, ht if output_final_state else None, s, prec, traced=False)
     if NC > 0 and T > 0:
         with record_function("kda_op::fwd::output"):
             _output_fwd(x, up, chunk_states, o, s, prec, traced=False, has_h0=h0 is not None)
     return o, ht, chunk_states, intermediates
 
 
-def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Tensor, ht: Tensor,
+def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Tensor, ht: Optional[Tensor],
                     s: dict, prec: str, traced: bool, slots: Optional[Tensor] = None, v_first: bool = False) -> None:
-    """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht;
-    for packed sequences, zeros into the chunk-state slots past the last one's.
-    ``slots``: h0 and ht are one state pool, read and written at those slots."""
+    """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht
+    (None: not stored); for packed sequences, zeros into the chunk-state slots past
+    the last one's. ``slots``: h0 and ht are one state pool, read and written at
+    those slots."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    ht_or_stand_in = chunk_states if ht is None else ht
     _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
-        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht, up, chunk_states, ht, *s["VL_SEQ"], T, NC,
-        s["H"], HV, ht if slots is None else slots,
+        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht_or_stand_in, up, chunk_states,
+        ht_or_stand_in, *s["VL_SEQ"], T, NC, s["H"], HV, ht_or_stand_in if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
-        HAS_H0=h0 is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
+        HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
         IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first,
         num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
     )

@@ -25,7 +25,7 @@ def kda_state_fwd_kernel(
     slots,  # POOL: each sequence's slot in the pool that h0 and ht both are (a stand-in otherwise)
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr, STORE_HT: tl.constexpr = True,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, V_FIRST: tl.constexpr = False,
 ):
@@ -107,4 +107,5 @@ def kda_state_fwd_kernel(
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
     tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
-    tl.store(ht + ends_off, b_s, mask=m_ends)
+    if STORE_HT:  # not without output_final_state (ht is then a stand-in)
+        tl.store(ht + ends_off, b_s, mask=m_ends)
