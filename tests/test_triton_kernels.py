@@ -284,6 +284,37 @@ def test_triton_gam_spreads_and_the_paths_they_pick(T_cut, monkeypatch):
     assert x["steep"][0, :, 0].tolist() == [0, 1, 2]
 
 
+@pytest.mark.parametrize("T_cut", [0, 40])
+def test_triton_row_spreads_pick_the_paths_of_gam_spreads(T_cut, monkeypatch):
+    """With fla's softplus gate every log decay is <= 0, so intra_a_fwd reads the
+    spreads off rows of gam (settings.GAM_ROW_SPREADS) instead of gam_fwd's
+    reductions: the same paths (a chunk of near-zero gates: flag 0, one of ~2.6 per
+    row: 1, one of ~27: 2) and bitwise the same outputs, with a partial last chunk."""
+    from kda_op.triton_kernels import settings
+    from kda_op.triton_kernels._host import _sizes
+    from kda_op.triton_kernels.fwd import _intra_fwd
+
+    B, T, HV, K = 1, 3 * CHUNK_SIZE - T_cut, 2, 48
+    inputs = _inputs(B, T, 1, HV, K, 40, True, seed=67)
+    raw = 0.1 * inputs["g"].clone()
+    raw[:, :CHUNK_SIZE] -= 10.0  # softplus(-10) = 4.5e-5
+    raw[:, CHUNK_SIZE:2 * CHUNK_SIZE] += 0.5
+    raw[:, 2 * CHUNK_SIZE:] += 10.0
+    A_log = torch.ones(HV, device=DEVICE)  # exp(1) = 2.7
+    dt_bias = torch.zeros(HV * K, device=DEVICE)
+    inputs["g"] = raw
+    args = [inputs[n] for n in NAMES]
+    results = []
+    for rows in (0, 1):
+        monkeypatch.setattr(settings, "GAM_ROW_SPREADS", rows)
+        results.append(_intra_fwd(*args, K ** -0.5, _sizes(args[0], args[2]), store_tm=False,
+                                  gate=(A_log, dt_bias, None)))
+    assert results[1]["steep"][0, :, 0].tolist() == [0, 1, 2], results[1]["steep"]
+    for name in results[0]:
+        if results[0][name] is not None:
+            assert torch.equal(results[0][name], results[1][name]), name
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
     """settings.INTRA_A_SPREAD_TILE (intra_a_fwd's steep test reduced once after its

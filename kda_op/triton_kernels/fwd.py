@@ -64,19 +64,22 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     regs = dict(maxnreg=S.INTRA_A_FWD_MAXNREG) if S.INTRA_A_FWD_MAXNREG else {}
     gam_kernel = bool(S.INTRA_GAM_KERNEL) or gate is not None
     NKB = triton.cdiv(K, S.BKG)
-    # gam_fwd's spreads of each chunk (per K block), for intra_a_fwd's choice of path
-    spreads = torch.empty(B * NC * HV * NKB * 2, **f32) if gam_kernel else gam
+    ga = _gate_args(gate, g)
+    # gam_fwd's spreads of each chunk (per K block), for intra_a_fwd's choice of path,
+    # unless fla's gate makes every log decay <= 0 (the softplus form, or lower_bound
+    # <= 0): intra_a_fwd then reads them off rows of gam (settings.GAM_ROW_SPREADS)
+    row_spreads = bool(S.GAM_ROW_SPREADS) and (ga["GATE"] == 1 or (ga["GATE"] == 2 and ga["lower_bound"] <= 0))
+    spreads = torch.empty(B * NC * HV * NKB * 2, **f32) if gam_kernel and not row_spreads else gam
     if gam_kernel:
-        ga = _gate_args(gate, g)
         _kernel(kda_gam_fwd_kernel, traced)[(NC, B * HV, NKB)](
             g, gam, spreads, ga["A_log"], ga["dt_bias"], ga["lower_bound"], *s["VL_CHUNK"], T, NC, H=s["H"], HV=HV,
             K=K, BT=BT, BKG=S.BKG, GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
-            IS_VARLEN=s["IS_VARLEN"], BC=BC, num_warps=S.GAM_WARPS,
+            IS_VARLEN=s["IS_VARLEN"], BC=BC, SPREADS=not row_spreads, num_warps=S.GAM_WARPS,
         )
     _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
         q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
         SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
-        NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC,
+        NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
         num_warps=S.INTRA_A_FWD_WARPS, **regs,
     )
     row_programs = bool(S.STEEP_FWD_ROW_PROGRAMS)

@@ -27,11 +27,14 @@ def kda_gam_fwd_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKG: tl.constexpr,
     GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False, BC: tl.constexpr = 16,
+    IS_VARLEN: tl.constexpr = False, BC: tl.constexpr = 16, SPREADS: tl.constexpr = True,
 ):
-    """Also writes, for intra_a_fwd.py's choice of path, how far this K block's gam
-    strays from the chunk's middle row and, the largest over the chunk's BC-row
-    blocks, from its block's middle row: spreads [B * NC * HV, NKB, 2] fp32."""
+    """SPREADS: also write, for intra_a_fwd.py's choice of path, how far this K
+    block's gam strays from the chunk's middle row and, the largest over the chunk's
+    BC-row blocks, from its block's middle row: spreads [B * NC * HV, NKB, 2] fp32.
+    Not where the log decay is known <= 0 (intra_a_fwd's ROW_SPREADS: it reads
+    them off six rows of gam a block; the reductions here took gam_fwd 0.39 -> 1.34 ms
+    at 2048 packed sequences of 1-64 tokens, H200)."""
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_k = tl.program_id(2)
@@ -55,19 +58,20 @@ def kda_gam_fwd_kernel(
         b_g = tl.where(m_tk, gate_fwd(b_g, b_a, b_bias, lower_bound, GATE), 0.0)
     b_gam = tl.cumsum(b_g, axis=0)
     tl.store(gam + p_tk, b_gam, mask=m_tk)
-    # rows past the end hold the last gam here, as every reader of gam sees them
-    # (_indexing.gam_row); columns past K hold 0
-    # each spread in one reduction over the flattened tile (max is exact in any
-    # order): as row then column reductions the kernel took 3832 SASS instructions
-    # (644 shuffles) and 0.035 -> 0.102 ms at 8192 tokens of 16 heads (H200); so
-    # 2192 (12 shuffles), untimed
-    b_mid = tl.sum(tl.where((o_t == BT // 2)[:, None], b_gam, 0.0), 0)
-    chunk_spread = tl.max(tl.reshape(tl.abs(b_gam - b_mid[None, :]), (BT * BKG,)), 0)
-    NB: tl.constexpr = BT // BC
-    b_blocks = tl.reshape(b_gam, (NB, BC, BKG))
-    o_c = tl.arange(0, BC)
-    b_bmid = tl.sum(tl.where((o_c == BC // 2)[None, :, None], b_blocks, 0.0), 1)  # [NB, BKG]
-    block_spread = tl.max(tl.reshape(tl.abs(b_blocks - b_bmid[:, None, :]), (BT * BKG,)), 0)
-    p_sp = spreads + ((g_c * HV + i_hv) * tl.num_programs(2) + i_k) * 2
-    tl.store(p_sp, chunk_spread)
-    tl.store(p_sp + 1, block_spread)
+    if SPREADS:
+        # rows past the end hold the last gam here, as every reader of gam sees them
+        # (_indexing.gam_row); columns past K hold 0
+        # each spread in one reduction over the flattened tile (max is exact in any
+        # order): as row then column reductions the kernel took 3832 SASS instructions
+        # (644 shuffles) and 0.035 -> 0.102 ms at 8192 tokens of 16 heads (H200); so
+        # 2192 (12 shuffles) in the same time (0.101 ms; H200, 2026-12-01)
+        b_mid = tl.sum(tl.where((o_t == BT // 2)[:, None], b_gam, 0.0), 0)
+        chunk_spread = tl.max(tl.reshape(tl.abs(b_gam - b_mid[None, :]), (BT * BKG,)), 0)
+        NB: tl.constexpr = BT // BC
+        b_blocks = tl.reshape(b_gam, (NB, BC, BKG))
+        o_c = tl.arange(0, BC)
+        b_bmid = tl.sum(tl.where((o_c == BC // 2)[None, :, None], b_blocks, 0.0), 1)  # [NB, BKG]
+        block_spread = tl.max(tl.reshape(tl.abs(b_blocks - b_bmid[:, None, :]), (BT * BKG,)), 0)
+        p_sp = spreads + ((g_c * HV + i_hv) * tl.num_programs(2) + i_k) * 2
+        tl.store(p_sp, chunk_spread)
+        tl.store(p_sp + 1, block_spread)

@@ -84,7 +84,7 @@ def kda_intra_a_fwd_kernel(
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = False,
     GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, NKB: tl.constexpr = 1,
-    BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16,
+    BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16, ROW_SPREADS: tl.constexpr = False,
 ):
     # GAM_IN: gam was written by gam_fwd.py (settings.INTRA_GAM_KERNEL): read here,
     # with its middle and last rows as vector loads, and not stored again.
@@ -94,6 +94,11 @@ def kda_intra_a_fwd_kernel(
     # (steep flag 0), with BLOCK_REFS the blocks' middle rows as references (1:
     # _block_ref_a_dots, four dots a slice; the backward takes the chunk as steep),
     # or none here (2: the steep launch forms the A's; no dots here).
+    # ROW_SPREADS (with GAM_IN): the log decay is known <= 0 (fla's gate: the softplus
+    # form, or lower_bound <= 0), so gam falls down each column and its spread from a
+    # row is largest at the first or last row: the spreads are formed here from six
+    # rows of gam a block (the same values as gam_fwd's reductions, which are then
+    # skipped; fp32 rounding is monotone too).
     # Otherwise one pass over K slices: the A's are accumulated as if the chunk were
     # not steep (its middle row is in every slice) and dropped if it is (2), so gam,
     # Q and K are read once. On a steep chunk the split factors may overflow to inf;
@@ -136,13 +141,32 @@ def kda_intra_a_fwd_kernel(
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     mode = 0
-    if GAM_IN:
+    if GAM_IN and ROW_SPREADS:
+        chunk_spread = tl.full([], 0.0, tl.float32)
+        block_spread = tl.full([], 0.0, tl.float32)
+        NB: tl.constexpr = BT // BC
+        o_b = tl.arange(0, NB) * BC  # each block's first row
+        for i_s in range(tl.cdiv(K, BKA)):
+            o_k = i_s * BKA + tl.arange(0, BKA)
+            m_k = (o_k < K)[None, :]
+            p_k = gam + o_k[None, :]
+            b_first = tl.load(p_k + gam_row(o_b, T)[:, None] * (HV * K), mask=m_k, other=0.0)  # [NB, BKA]
+            b_bmid = tl.load(p_k + gam_row(o_b + BC // 2, T)[:, None] * (HV * K), mask=m_k, other=0.0)
+            b_blast = tl.load(p_k + gam_row(o_b + BC - 1, T)[:, None] * (HV * K), mask=m_k, other=0.0)
+            block_spread = tl.maximum(block_spread,
+                                      tl.max(tl.max(tl.maximum(b_first - b_bmid, b_bmid - b_blast), 1), 0))
+            b_cfirst = tl.load(gam + o_k, mask=o_k < K, other=0.0)
+            b_cmid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_k, mask=o_k < K, other=0.0)
+            b_clast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=o_k < K, other=0.0)
+            chunk_spread = tl.maximum(chunk_spread, tl.max(tl.maximum(b_cfirst - b_cmid, b_cmid - b_clast), 0))
+    elif GAM_IN:
         p_sp = spreads + (g_c * HV + i_hv) * (NKB * 2)
         chunk_spread = tl.load(p_sp)
         block_spread = tl.load(p_sp + 1)
         for i_kb in tl.static_range(1, NKB):
             chunk_spread = tl.maximum(chunk_spread, tl.load(p_sp + 2 * i_kb))
             block_spread = tl.maximum(block_spread, tl.load(p_sp + 2 * i_kb + 1))
+    if GAM_IN:
         if BLOCK_REFS:
             mode = tl.where(chunk_spread <= MAX_SPLIT, 0, tl.where(block_spread <= MAX_SPLIT, 1, 2))
         else:

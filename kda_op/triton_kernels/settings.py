@@ -81,7 +81,14 @@ INTRA_A_SPREAD_TILE = 1
 # when nothing is kept (forward 1.846 -> 2.054 ms).
 INTRA_GAM_KERNEL = 1
 BKG = 64
+# Two warps: four and eight took gam_fwd 0.083 -> 0.097 / 0.126 ms at B1-T8192-H16
+# (layer flags) and 1.34 -> 1.98 ms (eight) at 2048 packed sequences of 1-64 tokens
+# (H200, 2026-12-01, same process).
 GAM_WARPS = 2
+# With fla's gate in the kernel and every log decay <= 0 by its form, intra_a_fwd
+# reads the spreads that choose its path off rows of gam (ROW_SPREADS), and gam_fwd
+# skips its reductions (1); 0: gam_fwd's reductions always. The same paths.
+GAM_ROW_SPREADS = 1
 # K slices of the forward's steep path (intra_a_fwd.py)
 BKS = 32
 # K slices of the backward through the states and W (intra_bwd_w.py), one program
