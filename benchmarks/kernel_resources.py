@@ -163,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     common = dict(K=K, V=V, BT=BT)
     # fla's in-kernel gate (--gate): g is then the raw gate in the inputs' dtype (fla's layer passes bf16)
     gate = dict(GATE=args.gate, HAS_A=args.gate > 0, HAS_BIAS=args.gate > 0)
+    # the gate's forms (1, 2 at lower_bound <= 0) make every log decay <= 0: the spreads from rows of gam
+    row_spreads = bool(S.GAM_ROW_SPREADS) and args.gate > 0
     gate_sig = dict(A_log=f32, dt_bias=f32, lower_bound="fp32")
     graw = x if args.gate else f32
     # packed sequences (--varlen): the kernels' IS_VARLEN variants and their index arguments
@@ -171,14 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     vl_seq = dict(cu_seqlens="*i64", chunk_offsets="*i64")
     runs = [
         (gam_fwd.kda_gam_fwd_kernel, dict(**vl_chunk, g=graw, gam=f32, spreads=f32, **gate_sig, **ints),
-         dict(**varlen, K=K, BT=BT, BKG=S.BKG, **gate, BC=BC),
+         dict(**varlen, K=K, BT=BT, BKG=S.BKG, **gate, BC=BC, SPREADS=not row_spreads),
          S.GAM_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(**vl_chunk, q=x, k=x, g=f32, gam=f32, spreads=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op,
               scale=scale_type, **ints),
          dict(**varlen, K=K, BT=BT, BKA=S.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
               GAM_IN=bool(S.INTRA_GAM_KERNEL), NKB=triton.cdiv(K, S.BKG),
-              BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC),
+              BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
+              BKR=min(128, triton.next_power_of_2(K))),
          S.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),

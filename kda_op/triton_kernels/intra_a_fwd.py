@@ -85,6 +85,7 @@ def kda_intra_a_fwd_kernel(
     GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, NKB: tl.constexpr = 1,
     BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16, ROW_SPREADS: tl.constexpr = False,
+    BKR: tl.constexpr = 64,
 ):
     # GAM_IN: gam was written by gam_fwd.py (settings.INTRA_GAM_KERNEL): read here,
     # with its middle and last rows as vector loads, and not stored again.
@@ -98,7 +99,7 @@ def kda_intra_a_fwd_kernel(
     # form, or lower_bound <= 0), so gam falls down each column and its spread from a
     # row is largest at the first or last row: the spreads are formed here from six
     # rows of gam a block (the same values as gam_fwd's reductions, which are then
-    # skipped; fp32 rounding is monotone too).
+    # skipped; fp32 rounding is monotone too), over K slices of BKR.
     # Otherwise one pass over K slices: the A's are accumulated as if the chunk were
     # not steep (its middle row is in every slice) and dropped if it is (2), so gam,
     # Q and K are read once. On a steep chunk the split factors may overflow to inf;
@@ -142,23 +143,25 @@ def kda_intra_a_fwd_kernel(
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     mode = 0
     if GAM_IN and ROW_SPREADS:
-        chunk_spread = tl.full([], 0.0, tl.float32)
-        block_spread = tl.full([], 0.0, tl.float32)
         NB: tl.constexpr = BT // BC
         o_b = tl.arange(0, NB) * BC  # each block's first row
-        for i_s in range(tl.cdiv(K, BKA)):
-            o_k = i_s * BKA + tl.arange(0, BKA)
+        # elementwise over the K slices, one reduction each after them
+        b_bspread = tl.zeros([NB, BKR], dtype=tl.float32)
+        b_cspread = tl.zeros([BKR], dtype=tl.float32)
+        for i_s in range(tl.cdiv(K, BKR)):
+            o_k = i_s * BKR + tl.arange(0, BKR)
             m_k = (o_k < K)[None, :]
             p_k = gam + o_k[None, :]
             b_first = tl.load(p_k + gam_row(o_b, T)[:, None] * (HV * K), mask=m_k, other=0.0)  # [NB, BKA]
             b_bmid = tl.load(p_k + gam_row(o_b + BC // 2, T)[:, None] * (HV * K), mask=m_k, other=0.0)
             b_blast = tl.load(p_k + gam_row(o_b + BC - 1, T)[:, None] * (HV * K), mask=m_k, other=0.0)
-            block_spread = tl.maximum(block_spread,
-                                      tl.max(tl.max(tl.maximum(b_first - b_bmid, b_bmid - b_blast), 1), 0))
+            b_bspread = tl.maximum(b_bspread, tl.maximum(b_first - b_bmid, b_bmid - b_blast))
             b_cfirst = tl.load(gam + o_k, mask=o_k < K, other=0.0)
             b_cmid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_k, mask=o_k < K, other=0.0)
             b_clast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=o_k < K, other=0.0)
-            chunk_spread = tl.maximum(chunk_spread, tl.max(tl.maximum(b_cfirst - b_cmid, b_cmid - b_clast), 0))
+            b_cspread = tl.maximum(b_cspread, tl.maximum(b_cfirst - b_cmid, b_cmid - b_clast))
+        block_spread = tl.max(tl.reshape(b_bspread, (NB * BKR,)), 0)
+        chunk_spread = tl.max(b_cspread, 0)
     elif GAM_IN:
         p_sp = spreads + (g_c * HV + i_hv) * (NKB * 2)
         chunk_spread = tl.load(p_sp)
