@@ -149,9 +149,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
              and isinstance(varlen["NSEQ"], int) and T <= S.SHORT_SEQ_CHUNKS * BT * varlen["NSEQ"])
     scan_b = (varlen["NSEQ"] if short else B) if scan_batch is None else scan_batch
     bv_scan_min = S.BV_SCAN if bf16_operands else S.BV_SCAN_FP32_OPERANDS
-    # BK = 256: one stage at fp32 operands (shared memory), two at bf16 (one was wrong there)
-    wide_stages = S.SCAN_STAGES_WIDE_BF16 if bf16_operands else 1
-    fwd_stages = ((S.SCAN_FWD_STAGES or S.SCAN_STAGES) if bf16_operands else S.SCAN_STAGES) if BK <= 128 else wide_stages
+    fwd_stages = ((S.SCAN_FWD_STAGES or S.SCAN_STAGES) if bf16_operands else S.SCAN_STAGES) if BK <= 128 else 1
     return dict(
         B=B, T=T, H=H, K=K, HV=HV, V=V,
         **varlen,
@@ -159,7 +157,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
         BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_FWD or 0, bv_scan_min), S.SCAN_FWD_PER_SM),
-        SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else wide_stages,
+        SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else 1,
         # three stages of fp32 W and Kr (fp32 and fp16 inputs) need 240 KB of shared
         # memory at BK = 128, BV = 32: more than the H200's 227
         SCAN_FWD_STAGES=min(fwd_stages, S.SCAN_FWD_SHORT_STAGES or fwd_stages) if short else fwd_stages,

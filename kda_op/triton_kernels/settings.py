@@ -158,11 +158,8 @@ BV_SCAN_MAX = 64
 SCAN_SMS = None
 SCAN_WARPS = 8
 SCAN_STAGES = 2  # where BK <= 128; one stage above
-# ... and at BK = 256 with bf16 operands (bf16 inputs): one stage gave o 7% off the
-# fp64 reference on the H200 (Triton 3.6, test_cuda.py's bf16 case at K = 256,
-# 2026-12-01), as one stage did for the forward scan at K = 64 / 128 (SHORT_SEQ_CHUNKS
-# below); fp32 operands keep one stage there (shared memory), and pass.
-SCAN_STAGES_WIDE_BF16 = 2
+# (At BK = 256 the scans compile to the same SASS at one, two or three stages,
+# sm_90a, bf16 and fp32: the pipeliner does not take their loads there.)
 # The forward scan alone (None: as above): its warps, stages (bf16 operands and
 # BK <= 128 only; see _sizes) and V block (before the doubling to one wave); and
 # how many of its programs one SM runs at once, for the V block's choice (a wave =
