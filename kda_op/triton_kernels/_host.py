@@ -117,6 +117,16 @@ def _varlen_index(cu_seqlens: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
     return chunk_index.contiguous(), chunk_offsets, NCB
 
 
+def _dstate_offsets(cu_seqlens: Tensor) -> Tensor:
+    """For the backward's compact dS_C slots (settings.COMPACT_DSTATES): [N + 1]
+    int64, sequence n's first slot, each sequence holding one fewer than its chunks
+    (none for an empty one), with torch ops only (no host sync). In all at most
+    T // BT slots: ceil(L / BT) - 1 <= (L - 1) / BT for each length L >= 1."""
+    cu = cu_seqlens.to(torch.int64)
+    slots = ((cu[1:] - cu[:-1] + BT - 1) // BT - 1).clamp_min(0)
+    return torch.cat([cu.new_zeros(1), slots.cumsum(0)])
+
+
 def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: Optional[Tensor] = None) -> dict:
     """Sizes and block shapes of one call. ``scan_batch`` stands in for B when the
     scans' V block is chosen (the export op: no branch on a batch size that stays

@@ -17,7 +17,8 @@ from torch.profiler import record_function
 
 from .._contract import residual_dtype
 from . import settings as S
-from ._host import _INTERPRET, _dot_precision, _gate_args, _intermediates_views, _layout, _sizes, _steep_dot_precision
+from ._host import (_INTERPRET, _dot_precision, _dstate_offsets, _gate_args, _intermediates_views, _layout, _sizes,
+                    _steep_dot_precision)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
@@ -80,7 +81,11 @@ def kda_bwd_triton(
     # by the prep kernel below
     up = x["up"] if "up" in x else torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     dup = torch.empty(B, T, HV, V, **f32)
-    dchunk_states = torch.empty(B, NC, HV, K, V, device=q.device,
+    # Packed sequences without dh0 and dht (training): each sequence's dS_C slots one
+    # fewer than its chunks, T // BT in all (settings.COMPACT_DSTATES; state_bwd.py)
+    compact = bool(S.COMPACT_DSTATES) and s["IS_VARLEN"] and dht is None and initial_state is None
+    ds_offsets = _dstate_offsets(cu_seqlens) if compact else dup
+    dchunk_states = torch.empty(B, max(1, T // BT) if compact else NC, HV, K, V, device=q.device,
                                 dtype=torch.bfloat16 if S.BF16_DSTATES and q.dtype == torch.bfloat16 else torch.float32)
     # the initial state's grad only where there is one (empty otherwise: fla returns None)
     dh0 = torch.empty(s["NSEQ"], HV, K, V, **f32) if initial_state is not None else empty()
@@ -90,18 +95,18 @@ def kda_bwd_triton(
         kda_state_bwd_prep_kernel[(triton.cdiv(V, s["BV"]), NC, B * HV)](
             x["qg"], x["w"], x["u"], aqk, chunk_states, do,
             up, dup, dchunk_states,
-            *s["VL_CHUNK"], T, NC,
+            *s["VL_CHUNK"], ds_offsets, T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
             HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-            HAS_DH0=initial_state is not None, num_warps=8,
+            HAS_DH0=initial_state is not None, COMPACT=compact, num_warps=8,
         )
         kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), s["NSEQ"] * HV)](
             x["kr"], x["w"], gam, dht_arg,
             dup, dchunk_states, dh0_arg,
-            *s["VL_SEQ"], T, NC,
+            *s["VL_SEQ"], ds_offsets, T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
             HAS_DHT=dht is not None, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None,
-            INTERPRET=_INTERPRET,
+            INTERPRET=_INTERPRET, COMPACT=compact,
             num_warps=S.SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
 
@@ -120,11 +125,11 @@ def kda_bwd_triton(
         kda_intra_bwd_w_kernel[(NS, NC, B * HV)](
             q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
             dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
-            *s["VL_CHUNK"], scale, T, NC,
+            *s["VL_CHUNK"], ds_offsets, scale, T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BV=s["BV"],
             # one stage: its V loop is short, and prefetching it cost spills at 4 warps
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
-            num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
+            COMPACT=compact, num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
         )
     del dchunk_states
     dakk = torch.empty(B, T, HV, BT, **f32)

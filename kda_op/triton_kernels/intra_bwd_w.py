@@ -24,12 +24,14 @@ def kda_intra_bwd_w_kernel(
     q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
     dq, dk, dgam, dgam_last, dtm_part, dbeta_part,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
+    ds_offsets,  # COMPACT: each sequence's first dS_C slot (state_bwd.py; a stand-in otherwise)
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr = False, HAS_H0: tl.constexpr = True, HAS_DHT: tl.constexpr = True,
+    COMPACT: tl.constexpr = False,
 ):
     # The K slice varies fastest over the grid: the slices of one chunk run side by
     # side and share their loads of dO, U', dU', Tm through L2.
@@ -72,14 +74,18 @@ def kda_intra_bwd_w_kernel(
     # initial state (S0), and the grad of the state leaving its last chunk without a
     # final-state grad (dS_C; state_bwd.py does not store it for packed sequences).
     # Both at once (a sequence of one chunk): every output of the slice is zero.
-    need_s0 = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | HAS_H0
+    c_seq = chunk_in_sequence(i_c, chunk_index, IS_VARLEN)
+    need_s0 = (c_seq > 0) | HAS_H0
     need_dsc = (T > BT) | HAS_DHT
     if need_s0 | need_dsc:
         # as block masks (Triton >= 3.7's interpreter refuses a block & scalar mask)
         use_s0 = (need_s0.to(tl.int32) + 0 * o_s) > 0
         use_dsc = (need_dsc.to(tl.int32) + 0 * o_s) > 0
         s0_base = chunk_states + (s_c * HV + i_hv) * K * V
-        dsc_base = dchunk_states + i_chunk * K * V
+        if COMPACT:  # chunk c's dS_C: slot c of its sequence's (read only where c is not the last)
+            dsc_base = dchunk_states + ((tl.load(ds_offsets + i_b) + c_seq) * HV + i_hv) * K * V
+        else:
+            dsc_base = dchunk_states + i_chunk * K * V
         b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
         b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
         b_dqg = tl.zeros([BT, BKS], dtype=tl.float32)

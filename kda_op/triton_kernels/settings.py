@@ -186,6 +186,14 @@ SCAN_FWD_PER_SM = 1
 # with four or eight warps, three stages right at either (the interpreter cannot show
 # it; fp32 at K = 256, which takes one stage too, passes the CUDA tests).
 SHORT_SEQ_CHUNKS = 2
+# The backward's dS_C buffer (bf16 or fp32 [slots, HV, K, V], live at the backward's
+# peak) for packed sequences without dh0 and dht (training): 1 = each sequence one slot
+# fewer than its chunks (chunk c's Qg^T dO put in chunk c - 1's slot), T // 64 slots in
+# all, instead of one per chunk slot (T // 64 + N): 1.45 -> 0.50 GiB at 2048 sequences of
+# 1-64 tokens (16 heads, bf16; the step's peak by profiling/memory_budget.py's tracker
+# 10.10 -> 9.35 GiB; measured 9.70 at 0, fla 8.57). The same grads bitwise (tests);
+# interpreter-tested with a bounds check, not yet run on a GPU: off until it is.
+COMPACT_DSTATES = 0
 SCAN_FWD_SHORT_WARPS = None
 SCAN_FWD_SHORT_STAGES = None
 # bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16

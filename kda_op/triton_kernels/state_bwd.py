@@ -28,15 +28,19 @@ def kda_state_bwd_prep_kernel(
     qg, w, u, aqk, chunk_states, do,
     up, dup, dchunk_states,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
+    ds_offsets,  # COMPACT: each sequence's first dS_C slot (_host._dstate_offsets; a stand-in otherwise)
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_UP: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True,
+    IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True, COMPACT: tl.constexpr = False,
 ):
     """HAS_UP: U' is already there (the forward kept it); skip S0, W and U. HAS_DH0:
-    the initial state's grad is wanted (else no Qg^T dO for first chunks)."""
+    the initial state's grad is wanted (else no Qg^T dO for first chunks). COMPACT
+    (packed sequences without dh0 and dht; settings.COMPACT_DSTATES): a sequence's
+    chunk c > 0 puts its Qg^T dO in the slot of chunk c - 1's dS_C, which the scan
+    reads it from, so each sequence takes one slot fewer than its chunks."""
     # The V block varies fastest over the grid: the blocks of one chunk run side by
     # side and share their loads of dO, A_qk and Qg through L2.
     i_v = tl.program_id(0)
@@ -56,7 +60,11 @@ def kda_state_bwd_prep_kernel(
     do += (bos * HV + i_hv) * V
     aqk += (bos * HV + i_hv) * BT
     chunk_states += (s_c * HV + i_hv) * K * V
-    dchunk_states += (g_c * HV + i_hv) * K * V
+    c_seq = chunk_in_sequence(i_c, chunk_index, IS_VARLEN)
+    if COMPACT:
+        dchunk_states += ((tl.load(ds_offsets + i_b) + c_seq - 1) * HV + i_hv) * K * V
+    else:
+        dchunk_states += (g_c * HV + i_hv) * K * V
 
     o_r = tl.arange(0, BT)
     o_t = o_r
@@ -84,7 +92,7 @@ def kda_state_bwd_prep_kernel(
     tl.store(dup + row_v, tl.dot(tl.trans(b_a), b_do, input_precision=DOT_PREC), mask=m_tv)
     # Qg^T dO: its share of dS entering the chunk, not needed for a sequence's first
     # chunk without an initial state (kda_state_bwd_kernel does not read it there)
-    if (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | HAS_DH0:
+    if (c_seq > 0) | HAS_DH0:
         b_qg = tl.load(qg + row_k, mask=m_tk, other=0.0).to(tl.float32)
         tl.store(dchunk_states + state_off,
                  as_stored(tl.dot(tl.trans(b_qg), b_do, input_precision=DOT_PREC), dchunk_states, INTERPRET),
@@ -96,13 +104,17 @@ def kda_state_bwd_kernel(
     kr, w, gam, dht,
     dup, dchunk_states, dh0,
     cu_seqlens, chunk_offsets,  # varlen (IS_VARLEN): _indexing.py
+    ds_offsets,  # COMPACT: each sequence's first dS_C slot (a stand-in otherwise)
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True, INTERPRET: tl.constexpr = False,
+    COMPACT: tl.constexpr = False,
 ):
+    # COMPACT (packed, without dht and dh0; see the prep kernel): chunk c's dS_C in slot
+    # c of the sequence's NC - 1, and chunk c's Qg^T dO read from slot c - 1.
     # HAS_DH0: write dS entering the first chunk (the initial state's grad); off
     # without an initial state (dh0 a stand-in then: [N, HV, K, V] fp32 unwritten,
     # 2 GiB at 2048 packed sequences of 16 heads).
@@ -118,8 +130,13 @@ def kda_state_bwd_kernel(
     gam += (bos * HV + i_hv) * K
     dht += (i_b * HV + i_hv) * K * V
     dh0 += (i_b * HV + i_hv) * K * V
-    dchunk_states += (g_0 * HV + i_hv) * K * V
+    if COMPACT:
+        dchunk_states += (tl.load(ds_offsets + i_b) * HV + i_hv) * K * V
+    else:
+        dchunk_states += (g_0 * HV + i_hv) * K * V
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk to the next
+    # where chunk c's Qg^T dO sits: its own slot, or (COMPACT) chunk c - 1's
+    QDO_SHIFT: tl.constexpr = 1 if COMPACT else 0
 
     o_k = tl.arange(0, BK)
     m_k = o_k < K
@@ -149,7 +166,7 @@ def kda_state_bwd_kernel(
         if NC > 0:
             i_c = NC - 1
             r0 = tl.cast(i_c * BT, tl.int64)
-            p_ds = dchunk_states + i_c * cs_stride + state_off
+            p_ds = dchunk_states + (i_c - QDO_SHIFT) * cs_stride + state_off
             if (NC > 1) | HAS_DH0:
                 m_t = i_c * BT + o_r < T
                 b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -165,14 +182,16 @@ def kda_state_bwd_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         p_ds = dchunk_states + i_c * cs_stride + state_off
 
-        # Qg^T dO from the prep kernel sits in the slot this chunk's dS_C goes to: use it
+        # Qg^T dO from the prep kernel sits in the slot this chunk's dS_C goes to (COMPACT:
+        # the one before): use it
         # (so a prefetched copy of it has landed) and pass a barrier before the store. Not
         # for the first chunk without dh0: dS entering it is not needed, the prep kernel
         # does not form it.
         # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
         b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         m_qdo = m_kv & ((i_c + 0 * o_k > 0) | HAS_DH0)[:, None]
-        b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds, mask=m_qdo, other=0.0).to(tl.float32)
+        b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds - QDO_SHIFT * cs_stride, mask=m_qdo,
+                                                           other=0.0).to(tl.float32)
         tl.debug_barrier()
         tl.store(p_ds, as_stored(b_ds, dchunk_states, INTERPRET), mask=m_kv)
 
