@@ -97,9 +97,10 @@ def kda_intra_a_fwd_kernel(
     # or none here (2: the steep launch forms the A's; no dots here).
     # ROW_SPREADS (with GAM_IN): the log decay is known <= 0 (fla's gate: the softplus
     # form, or lower_bound <= 0), so gam falls down each column and its spread from a
-    # row is largest at the first or last row: the spreads are formed here from six
-    # rows of gam a block (the same values as gam_fwd's reductions, which are then
-    # skipped; fp32 rounding is monotone too), over K slices of BKR.
+    # row is largest at the first or last row: the spreads are formed here from three
+    # rows of gam a block and the chunk's first, middle and last (the same values as
+    # gam_fwd's reductions, which are then skipped; fp32 rounding is monotone too),
+    # over K slices of BKR.
     # Otherwise one pass over K slices: the A's are accumulated as if the chunk were
     # not steep (its middle row is in every slice) and dropped if it is (2), so gam,
     # Q and K are read once. On a steep chunk the split factors may overflow to inf;
