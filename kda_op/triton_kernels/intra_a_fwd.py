@@ -153,10 +153,12 @@ def kda_intra_a_fwd_kernel(
             o_k = i_s * BKR + tl.arange(0, BKR)
             m_k = (o_k < K)[None, :]
             p_k = gam + o_k[None, :]
-            b_first = tl.load(p_k + gam_row(o_b, T)[:, None] * (HV * K), mask=m_k, other=0.0)  # [NB, BKA]
+            b_first = tl.load(p_k + gam_row(o_b, T)[:, None] * (HV * K), mask=m_k, other=0.0)  # [NB, BKR]
             b_bmid = tl.load(p_k + gam_row(o_b + BC // 2, T)[:, None] * (HV * K), mask=m_k, other=0.0)
             b_blast = tl.load(p_k + gam_row(o_b + BC - 1, T)[:, None] * (HV * K), mask=m_k, other=0.0)
             b_bspread = tl.maximum(b_bspread, tl.maximum(b_first - b_bmid, b_bmid - b_blast))
+            # the chunk's rows again as vector loads (L1 hits): cutting them out of the
+            # block rows above would take a cross-thread reduction each
             b_cfirst = tl.load(gam + o_k, mask=o_k < K, other=0.0)
             b_cmid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_k, mask=o_k < K, other=0.0)
             b_clast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=o_k < K, other=0.0)

@@ -179,8 +179,9 @@ SCAN_FWD_PER_SM = 1
 # stages (None: its own). On the H200 (2026-12-01, same process, varlen-2048x1-64,
 # fla's layer flags): state_fwd 3.43 -> 2.13 ms, state_bwd 0.81 -> 0.25, forward
 # 10.14 -> 8.89 ms, forward+backward 26.29 -> 24.60 (V blocks 16 -> 64); varlen-mixed
-# (ten sequences of 8192 tokens: 13 chunks each on average) not short. Never one stage: four warps at one stage (state_fwd 3.41 ->
-# 2.04 ms at 2048 sequences of 1-64 tokens, H200, 2026-12-01) gave wrong results or an
+# (ten sequences of 8192 tokens: 13 chunks each on average) is not short. Never one
+# stage: four warps at one stage (state_fwd 3.41 -> 2.04 ms at 2048 sequences of 1-64
+# tokens, H200, 2026-12-01) gave wrong results or an
 # illegal memory access on the H200 (Triton 3.6, bf16) as soon as a sequence had more
 # than one chunk; a probe of the scan alone found one stage broken at K = 64 and 128
 # with four or eight warps, three stages right at either (the interpreter cannot show
