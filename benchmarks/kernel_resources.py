@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     # packed sequences (--varlen): the kernels' IS_VARLEN variants and their index arguments
     varlen = dict(IS_VARLEN=bool(args.varlen))
     vl_chunk = dict(cu_seqlens="*i64", chunk_index="*i32")
-    vl_seq = dict(cu_seqlens="*i64", chunk_offsets="*i64")
+    vl_seq = dict(cu_seqlens="*i64", seq_offsets="*i64")
     runs = [
         (gam_fwd.kda_gam_fwd_kernel, dict(**vl_chunk, g=graw, gam=f32, spreads=f32, **gate_sig, **ints),
          dict(**varlen, K=K, BT=BT, BKG=S.BKG, **gate, BC=BC, SPREADS=not row_spreads),

@@ -51,12 +51,38 @@ def varlen_chunk_slots(seq_len, num_seqs, chunk_size: int = CHUNK_SIZE):
     return seq_len // chunk_size + num_seqs
 
 
-def varlen_state_slots(seq_len, num_seqs, chunk_size: int = CHUNK_SIZE):
-    """Chunk states of N packed sequences: each sequence's NC_n + 1 boundaries,
-    at most ``T // C + 2 N`` in all; sequence n's start at ``chunk_offsets[n] + n``
-    (chunk_offsets[n]: the chunks of the sequences before n). Unused slots (past
-    the last sequence's) are zero."""
-    return seq_len // chunk_size + 2 * num_seqs
+def varlen_state_slots(seq_len, num_seqs, has_initial_state: bool = True, chunk_size: int = CHUNK_SIZE):
+    """Chunk states of N packed sequences (``varlen_state_offsets`` says where each
+    sequence's start). With initial states: each sequence's NC_n + 1 boundaries, at
+    most ``T // C + 2 N`` in all. Without (training): only the states entering a
+    sequence's chunks after its first (the first enters from zero, the final one is
+    the op's final state), NC_n - 1 each, at most ``T // C`` in all (ceil(l / C) - 1
+    <= l // C), plus two spare slots so that the count is provably >= 2 for a
+    symbolic T (a size that could be 0 or 1 makes the compiler guard on it): at
+    2048 sequences of 1-64 tokens and 16 heads 0.5 GiB instead of 2.5. Unused
+    slots (past the last sequence's) are zero."""
+    if has_initial_state:
+        return seq_len // chunk_size + 2 * num_seqs
+    return seq_len // chunk_size + 2
+
+
+def varlen_state_offsets(lengths: list, has_initial_state: bool = True,
+                         chunk_size: int = CHUNK_SIZE) -> tuple[list, int]:
+    """For the layout of ``varlen_state_slots`` and N sequence lengths: ``(starts,
+    first_unused)``, the slot of the state entering chunk 0 of each sequence (chunk
+    c's at that + c) and where the unused slots begin. With initial states sequence
+    n's boundaries start at ``chunk_offsets[n] + n`` (chunk_offsets[n]: the chunks
+    of the sequences before n). Without, chunk c >= 1's state is at ``sum over m < n
+    of max(NC_m - 1, 0) + c - 1``, so the start is one less (-1 for the first
+    sequence: chunk 0's state is zero, neither stored nor read). Host integers (the
+    reference's layout); the CUDA kernels form the same on the device
+    (``triton_kernels._host._varlen_index``)."""
+    starts, slot = [], 0
+    for length in lengths:
+        chunks = num_chunks(length, chunk_size)
+        starts.append(slot if has_initial_state else slot - 1)
+        slot += chunks + 1 if has_initial_state else max(chunks - 1, 0)
+    return starts, slot
 
 
 def chunked_kernels_serve(device_type: str, input_dtype: torch.dtype) -> bool:

@@ -109,7 +109,8 @@ def chunk_kda_fwd(
     empty otherwise, and always on the reference (CPU, fp64). ``use_gate``: ``g``
     is fla's raw gate (module docstring). ``cu_seqlens`` [N + 1]: N sequences
     packed along T (B = 1); the states are then [N, HV, K, V] and the chunk states
-    [1, T // 64 + 2 N, HV, K, V] (``kda_op._contract.varlen_state_slots``).
+    [1, T // 64 + 2 N, HV, K, V], or without an initial state [1, T // 64 + 2, HV,
+    K, V] (``kda_op._contract.varlen_state_slots``).
     ``output_final_state=False``: ``final_state`` is empty ([0]) and never formed
     (training: at 2048 packed sequences of 16 heads it is 2 GiB of fp32 written
     for nothing); its grad is then none."""

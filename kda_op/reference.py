@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 from torch.profiler import record_function
 
-from ._contract import CHUNK_SIZE, num_chunk_boundaries, state_dtype, varlen_state_slots
+from ._contract import CHUNK_SIZE, num_chunk_boundaries, state_dtype, varlen_state_offsets, varlen_state_slots
 
 
 def _expand_heads(x: Tensor, group: int, dtype: torch.dtype) -> Tensor:
@@ -270,24 +270,27 @@ def kda_forward_reference_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, bet
                                  scale: Optional[float], initial_state: Optional[Tensor], cu_seqlens: Tensor):
     """``kda_forward_reference`` over N sequences packed along T (B = 1):
     ``(o [1, T, HV, V], final_state [N, HV, K, V], chunk_states [1, S, HV, K, V])``
-    with sequence n's NC_n + 1 boundaries from slot ``chunk_offsets[n] + n`` and
-    zeros past the last (S = ``varlen_state_slots(T, N)``)."""
+    in the layout of ``_contract.varlen_state_slots`` (S slots; with initial states
+    each sequence's NC_n + 1 boundaries, without only the states entering its chunks
+    after the first) and zeros in the unused slots."""
     bounds = _bounds(cu_seqlens)
     N, T = len(bounds) - 1, q.shape[1]
     HV, K, V = v.shape[2], q.shape[3], v.shape[3]
     acc = state_dtype(q.dtype)
+    has_h0 = initial_state is not None
+    starts, _ = varlen_state_offsets([b - a for a, b in zip(bounds[:-1], bounds[1:])], has_h0)
     o = q.new_empty((1, T, HV, V), dtype=v.dtype)
     final = q.new_empty((N, HV, K, V), dtype=acc)
-    chunk_states = q.new_zeros((1, varlen_state_slots(T, N), HV, K, V), dtype=acc)
-    slot = 0
+    chunk_states = q.new_zeros((1, varlen_state_slots(T, N, has_h0), HV, K, V), dtype=acc)
     for n in range(N):
         a, b = bounds[n], bounds[n + 1]
         h0 = None if initial_state is None else initial_state[n:n + 1]
         o_n, final_n, cs_n = kda_forward_reference(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, h0)
         o[:, a:b] = o_n
         final[n] = final_n[0]
-        chunk_states[:, slot:slot + cs_n.shape[1]] = cs_n
-        slot += cs_n.shape[1]
+        kept = cs_n if has_h0 else cs_n[:, 1:-1]  # without h0: neither the zero first state nor the final one
+        first = starts[n] if has_h0 else starts[n] + 1
+        chunk_states[:, first:first + kept.shape[1]] = kept
     return o, final, chunk_states
 
 
@@ -304,19 +307,24 @@ def kda_backward_reference_varlen(q: Tensor, k: Tensor, v: Tensor, g: Tensor, be
     acc = state_dtype(q.dtype)
     dh0 = q.new_empty((N, HV, K, V) if initial_state is not None else (0,),
                       dtype=acc if initial_state is None else initial_state.dtype)
-    slot = 0
+    has_h0 = initial_state is not None
+    starts, _ = varlen_state_offsets([b - a for a, b in zip(bounds[:-1], bounds[1:])], has_h0)
     for n in range(N):
         a, b = bounds[n], bounds[n + 1]
         boundaries = num_chunk_boundaries(b - a)
         h0 = None if initial_state is None else initial_state[n:n + 1]
+        if has_h0:
+            states_n = chunk_states[:, starts[n]:starts[n] + boundaries]
+        else:  # the zero state entering chunk 0, the stored ones, the final one (not read)
+            states_n = chunk_states.new_zeros((1, boundaries, HV, K, V))
+            stored = max(boundaries - 2, 0)
+            states_n[:, 1:1 + stored] = chunk_states[:, starts[n] + 1:starts[n] + 1 + stored]
         parts = kda_backward_reference(q[:, a:b], k[:, a:b], v[:, a:b], g[:, a:b], beta[:, a:b], scale, h0,
-                                       chunk_states[:, slot:slot + boundaries], do[:, a:b],
-                                       None if dht is None else dht[n:n + 1])
+                                       states_n, do[:, a:b], None if dht is None else dht[n:n + 1])
         for grad, part in zip(grads, parts[:5]):
             grad[:, a:b] = part
         if initial_state is not None:
             dh0[n] = parts[5][0]
-        slot += boundaries
     return (*grads, dh0)
 
 

@@ -464,22 +464,42 @@ def test_varlen_matches_each_sequence_alone(fn, l2norm, gate, beta_scale):
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10, msg=lambda m: f"d{name}: {m}")
 
 
-def test_varlen_chunk_states_layout():
-    """The op's chunk states: sequence n's boundaries from slot chunk_offsets[n] + n,
-    zeros after the last sequence's (every byte follows from the inputs)."""
-    from kda_op._contract import varlen_state_slots
+@pytest.mark.parametrize("with_h0", [True, False])
+def test_varlen_chunk_states_layout(with_h0):
+    """The op's chunk states. With initial states: sequence n's NC_n + 1 boundaries
+    from slot chunk_offsets[n] + n (its initial state first, its final state last).
+    Without (training): only the states entering chunks after a sequence's first, NC_n
+    - 1 each, in order, T // 64 + 2 slots in all; each matches the state the
+    recurrence reaches there (the same op on the sequence cut at that chunk's start).
+    Zeros after the last sequence's (every byte follows from the inputs)."""
+    from kda_op._contract import varlen_state_offsets, varlen_state_slots
 
-    x, cu = _packed(LENGTHS, seed=21, H=1, G=1, K=4, V=3)
+    lengths = LENGTHS + [200, 1]  # some sequences of three and four chunks
+    x, cu = _packed(lengths, seed=21, H=1, G=1, K=4, V=3)
     args = [x[n] for n in ("q", "k", "v", "g", "beta")]
-    _, ht, cs, _ = torch.ops.kda_op.chunk_kda_fwd(*args, None, x["initial_state"], cu_seqlens=cu)
-    T, N = cu[-1].item(), len(LENGTHS)
-    assert cs.shape == (1, varlen_state_slots(T, N), 1, 4, 3)
-    slot = 0
-    for n, length in enumerate(LENGTHS):
-        assert torch.equal(cs[0, slot], x["initial_state"][n])  # the state entering its first chunk
-        slot += -(-length // CHUNK_SIZE) + 1
-        assert torch.equal(cs[0, slot - 1], ht[n])  # its final state closes its boundaries
-    assert slot < cs.shape[1] and (cs[0, slot:] == 0).all()
+    h0 = x["initial_state"] if with_h0 else None
+    _, ht, cs, _ = torch.ops.kda_op.chunk_kda_fwd(*args, None, h0, cu_seqlens=cu)
+    T, N = cu[-1].item(), len(lengths)
+    assert cs.shape == (1, varlen_state_slots(T, N, with_h0), 1, 4, 3)
+    assert cs.shape[1] == (T // CHUNK_SIZE + 2 * N if with_h0 else T // CHUNK_SIZE + 2)
+    starts, first_unused = varlen_state_offsets(lengths, with_h0)
+    checked = 0
+    for n, length in enumerate(lengths):
+        chunks = -(-length // CHUNK_SIZE)
+        if with_h0:
+            assert torch.equal(cs[0, starts[n]], h0[n])  # the state entering its first chunk
+            assert torch.equal(cs[0, starts[n] + chunks], ht[n])  # its final state closes its boundaries
+        a = cu[n].item()
+        for c in range(1, chunks):  # the state entering chunk c: the recurrence over the rows before it
+            cut = [t[:, a:a + c * CHUNK_SIZE] for t in args]
+            _, ht_cut, _, _ = torch.ops.kda_op.chunk_kda_fwd(*cut, None, None if h0 is None else h0[n:n + 1])
+            torch.testing.assert_close(cs[0, starts[n] + c], ht_cut[0], rtol=1e-12, atol=1e-12)
+            checked += 1
+    assert checked == 4  # 65 tokens: one; 200: three
+    expected_unused = sum(-(-n // CHUNK_SIZE) + 1 for n in lengths) if with_h0 else \
+        sum(max(-(-n // CHUNK_SIZE) - 1, 0) for n in lengths)
+    assert first_unused == expected_unused
+    assert first_unused < cs.shape[1] and (cs[0, first_unused:] == 0).all()
 
 
 @pytest.mark.parametrize("with_h0", [False, True])

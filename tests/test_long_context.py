@@ -41,7 +41,7 @@ def _chunk_coords_probe(cu_seqlens, chunk_index, out, T, NC, H, HV, K: tl.conste
     # the kernels form them (64-bit base from chunk_coords, 32-bit within the
     # chunk), the rows left (T_c), the chunk's global index and state slot.
     i_p = tl.program_id(0)
-    i_c = tl.load(chunk_index + 2 * i_p + 1) if not IS_VARLEN else i_p
+    i_c = tl.load(chunk_index + 3 * i_p + 1) if not IS_VARLEN else i_p
     i_bh = tl.program_id(1).to(tl.int64)
     n, i_hv, i_h, bos, T_c, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
     base = (bos * HV + i_hv) * K
@@ -64,15 +64,17 @@ def test_chunk_offsets_past_2_31_are_exact(varlen):
     if varlen:
         # two sequences: 5 tokens, then the long one; the slots of its last chunks
         cu = torch.tensor([0, 5, 5 + T], dtype=torch.int64)
-        index = torch.tensor([[1, c] for c in chunks], dtype=torch.int32)
+        # (sequence, chunk, state slot) as _host._varlen_index makes them: with initial
+        # states sequence 1's boundaries follow sequence 0's two (chunk_offsets[1] + 1 = 2)
+        expect_s = [2 + c for c in chunks]
+        index = torch.tensor([[1, c, s] for c, s in zip(chunks, expect_s)], dtype=torch.int32)
         expect_bos = [5 + c * BT for c in chunks]
         expect_tc = [T - c * BT for c in chunks]
         expect_g = list(range(len(chunks)))  # the probe's slots
-        expect_s = [g + 1 for g in expect_g]  # + n: sequence 1's boundaries follow sequence 0's
         T_arg = 5 + T
     else:
         cu = torch.zeros(1, dtype=torch.int64)
-        index = torch.tensor([[0, c] for c in chunks], dtype=torch.int32)
+        index = torch.tensor([[0, c, 0] for c in chunks], dtype=torch.int32)
         expect_bos = [c * BT for c in chunks]
         expect_tc = [T - c * BT for c in chunks]
         expect_g = chunks

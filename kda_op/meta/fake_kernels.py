@@ -57,7 +57,7 @@ def chunk_kda_fwd_fake(
         slots, num_seqs = num_chunk_boundaries(T), None
     else:
         num_seqs = cu_seqlens.shape[0] - 1
-        slots = varlen_state_slots(T, num_seqs)
+        slots = varlen_state_slots(T, num_seqs, initial_state is not None)
     chunk_states = q.new_empty((B, slots, HV, K, V), dtype=chunk_states_dtype(q.dtype, q.device.type))
     # The kept intermediates exist only where the chunked CUDA kernels serve.
     nbytes = (intermediates_layout(B, T, HV, K, V, q.dtype, q.device.type, num_seqs)[1]

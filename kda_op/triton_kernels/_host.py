@@ -98,23 +98,37 @@ def _kernel(fn, traced: bool):
     return fn
 
 
-def _varlen_index(cu_seqlens: Tensor, T: int) -> tuple[Tensor, Tensor, int]:
+def _varlen_index(cu_seqlens: Tensor, T: int, has_initial_state: bool = True) -> tuple[Tensor, Tensor, Tensor, int]:
     """For N packed sequences (``cu_seqlens`` [N + 1]) on their device, with torch
     ops only (no host sync, so a CUDA graph can capture it): ``(chunk_index
-    [NCB, 2] int32, chunk_offsets [N + 1] int64, NCB)`` as _indexing.py reads them,
-    NCB = ``varlen_chunk_slots(T, N)``."""
+    [NCB, 3] int32, seq_offsets [N, 2] int64, first_unused_state [1] int64, NCB)``
+    as _indexing.py reads them, NCB = ``varlen_chunk_slots(T, N)``: per chunk slot
+    its sequence, its chunk in the sequence and the slot of the state entering it;
+    per sequence its first chunk's global index and the slot of the state entering
+    it, in the chunk states' layout (``_contract.varlen_state_offsets``)."""
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.to(torch.int64)
     chunks = (cu[1:] - cu[:-1] + BT - 1) // BT
     chunk_offsets = torch.cat([cu.new_zeros(1), chunks.cumsum(0)])
+    if has_initial_state:  # NC_n + 1 boundaries each
+        state_starts = chunk_offsets + torch.arange(N + 1, device=cu.device, dtype=torch.int64)
+        first_unused = state_starts[-1:]
+    else:  # chunk c >= 1's entering state at the sequence's start + c
+        stored = torch.cat([cu.new_zeros(1), (chunks - 1).clamp_min(0).cumsum(0)])
+        state_starts = stored - 1
+        first_unused = stored[-1:]
     NCB = varlen_chunk_slots(T, N)
     slots = torch.arange(NCB, device=cu.device, dtype=torch.int64)
     # the sequence whose chunks [offsets[n], offsets[n + 1]) hold the slot
     n = torch.searchsorted(chunk_offsets[1:].contiguous(), slots, right=True)
     valid = n < N
-    c = slots - chunk_offsets.gather(0, n.clamp(max=max(N - 1, 0)))
-    chunk_index = torch.stack([torch.where(valid, n, -1), torch.where(valid, c, 0)], dim=1).to(torch.int32)
-    return chunk_index.contiguous(), chunk_offsets, NCB
+    n_safe = n.clamp(max=max(N - 1, 0))
+    c = slots - chunk_offsets.gather(0, n_safe)
+    s_c = state_starts.gather(0, n_safe) + c
+    chunk_index = torch.stack([torch.where(valid, n, -1), torch.where(valid, c, 0), torch.where(valid, s_c, -1)],
+                              dim=1).to(torch.int32)
+    seq_offsets = torch.stack([chunk_offsets[:-1], state_starts[:-1]], dim=1)
+    return chunk_index.contiguous(), seq_offsets.contiguous(), first_unused, NCB
 
 
 def _dstate_offsets(cu_seqlens: Tensor) -> Tensor:
@@ -127,28 +141,30 @@ def _dstate_offsets(cu_seqlens: Tensor) -> Tensor:
     return torch.cat([cu.new_zeros(1), slots.cumsum(0)])
 
 
-def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: Optional[Tensor] = None) -> dict:
+def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
+           has_initial_state: bool = True) -> dict:
     """Sizes and block shapes of one call. ``scan_batch`` stands in for B when the
     scans' V block is chosen (the export op: no branch on a batch size that stays
     symbolic). ``cu_seqlens``: N packed sequences (B = 1); NC is then the chunk
-    slot count, NSEQ = N the per-sequence programs, and VL_CHUNK / VL_SEQ the
-    index tensors the chunk-parallel / per-sequence kernels take (_indexing.py;
-    stand-ins that are never read otherwise)."""
+    slot count, NSEQ = N the per-sequence programs, NCS the chunk states' slots
+    (their layout depends on ``has_initial_state``: _contract.varlen_state_slots),
+    and VL_CHUNK / VL_SEQ the index tensors the chunk-parallel / per-sequence
+    kernels take (_indexing.py; stand-ins that are never read otherwise)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_offsets(T, HV, K, V)
     _check_grid(B, HV, T)
     if cu_seqlens is None:
         varlen = dict(NC=triton.cdiv(T, BT), NSEQ=B, NCS=triton.cdiv(T, BT) + 1, IS_VARLEN=False,
-                      VL_CHUNK=(q, q), VL_SEQ=(q, q), FIRST_UNUSED_STATE=None)
+                      VL_CHUNK=(q, q), VL_SEQ=(q, q), FIRST_UNUSED_STATE=None, COMPACT_STATES=False)
     else:
         N = cu_seqlens.shape[0] - 1
         _check_grid(N, HV, T + N * BT)
-        chunk_index, chunk_offsets, NCB = _varlen_index(cu_seqlens, T)
+        chunk_index, seq_offsets, first_unused, NCB = _varlen_index(cu_seqlens, T, has_initial_state)
         cu = cu_seqlens.contiguous()
-        varlen = dict(NC=NCB, NSEQ=N, NCS=varlen_state_slots(T, N), IS_VARLEN=True,
-                      VL_CHUNK=(cu, chunk_index), VL_SEQ=(cu, chunk_offsets),
-                      FIRST_UNUSED_STATE=chunk_offsets[-1:] + N)
+        varlen = dict(NC=NCB, NSEQ=N, NCS=varlen_state_slots(T, N, has_initial_state), IS_VARLEN=True,
+                      VL_CHUNK=(cu, chunk_index), VL_SEQ=(cu, seq_offsets),
+                      FIRST_UNUSED_STATE=first_unused, COMPACT_STATES=not has_initial_state)
     # Blocks of at least 32: a wrong dk was seen on the H200 with K = 32, V = 16
     # (BV = 16) that the interpreter computed right; cause not established.
     BK = max(32, triton.next_power_of_2(K))
@@ -159,7 +175,9 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
              and isinstance(varlen["NSEQ"], int) and T <= S.SHORT_SEQ_CHUNKS * BT * varlen["NSEQ"])
     scan_b = (varlen["NSEQ"] if short else B) if scan_batch is None else scan_batch
     bv_scan_min = S.BV_SCAN if bf16_operands else S.BV_SCAN_FP32_OPERANDS
-    fwd_stages = ((S.SCAN_FWD_STAGES or S.SCAN_STAGES) if bf16_operands else S.SCAN_STAGES) if BK <= 128 else 1
+    # BK = 256: one stage at fp32 operands (shared memory), SCAN_STAGES_WIDE_BF16 at bf16
+    wide_stages = S.SCAN_STAGES_WIDE_BF16 if bf16_operands else 1
+    fwd_stages = ((S.SCAN_FWD_STAGES or S.SCAN_STAGES) if bf16_operands else S.SCAN_STAGES) if BK <= 128 else wide_stages
     return dict(
         B=B, T=T, H=H, K=K, HV=HV, V=V,
         **varlen,
@@ -167,7 +185,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
         BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_FWD or 0, bv_scan_min), S.SCAN_FWD_PER_SM),
-        SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else 1,
+        SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else wide_stages,
         # three stages of fp32 W and Kr (fp32 and fp16 inputs) need 240 KB of shared
         # memory at BK = 128, BV = 32: more than the H200's 227
         SCAN_FWD_STAGES=min(fwd_stages, S.SCAN_FWD_SHORT_STAGES or fwd_stages) if short else fwd_stages,

@@ -5,15 +5,19 @@ IS_VARLEN, for sequences packed along T (B = 1, ``cu_seqlens`` [N + 1]).
 Packed sequences never share a chunk: sequence n's chunks are numbered
 globally from ``chunk_offsets[n]`` (the chunks of the sequences before it), so
 per-chunk buffers ([NCB, HV, ...], NCB = T // BT + N slots, an upper bound on
-the chunk count that needs no host sync) take the global chunk index, and the
-chunk states (each sequence's NC_n + 1 boundaries)
-start at ``chunk_offsets[n] + n``. Chunk-parallel kernels run one program per
-slot of NCB; ``chunk_index`` [NCB, 2] says which (sequence, chunk) a slot holds,
-(-1, 0) for a slot beyond the last chunk, whose program sees a sequence of
-length 0 (T_c = 0; a used slot always has T_c >= 1): the chunk-parallel kernels
-return at once there, but for what an op output or a host-side sum over the slots
-needs (intra_a_fwd first writes its steep flag 0, intra_bwd_a its zero gate
-partial sums).
+the chunk count that needs no host sync) take the global chunk index. The chunk
+states take the layout of ``_contract.varlen_state_slots``: with initial states
+each sequence's NC_n + 1 boundaries from ``chunk_offsets[n] + n``; without, only
+the states entering its chunks after the first (chunk 0 enters from zero, which
+is neither stored nor read, and the final state is not kept), T // BT + 2 slots.
+Chunk-parallel kernels run one program per slot of NCB; ``chunk_index`` [NCB, 3]
+says which (sequence, chunk, state slot) a slot holds, (-1, 0, -1) for a slot
+beyond the last chunk, whose program sees a sequence of length 0 (T_c = 0; a
+used slot always has T_c >= 1): the chunk-parallel kernels return at once there,
+but for what an op output or a host-side sum over the slots needs (intra_a_fwd
+first writes its steep flag 0, intra_bwd_a its zero gate partial sums). The
+per-sequence kernels read ``seq_offsets`` [N, 2]: the first chunk's global index
+and the slot of the state entering it.
 
 gam (the cumsum of the log decay in each chunk) has the rows of the inputs,
 [B, T, HV, K]: a row past the sequence's end (in a short or last chunk) reads the
@@ -44,14 +48,14 @@ def chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT: tl.conste
     entering it (chunk states). Offsets inside a chunk then stay small at any T."""
     if IS_VARLEN:
         i_hv = i_bh
-        n = tl.load(chunk_index + i_c * 2).to(tl.int64)
-        c = tl.load(chunk_index + i_c * 2 + 1)
+        n = tl.load(chunk_index + i_c * 3).to(tl.int64)
+        c = tl.load(chunk_index + i_c * 3 + 1)
         valid = n >= 0
         n = tl.maximum(n, 0)
         bos = tl.load(cu_seqlens + n).to(tl.int64)
         T_n = tl.where(valid, tl.load(cu_seqlens + n + 1).to(tl.int64) - bos, 0)
         g_c = i_c.to(tl.int64)
-        s_c = g_c + n
+        s_c = tl.load(chunk_index + i_c * 3 + 2).to(tl.int64)
     else:
         n = i_bh // HV
         i_hv = i_bh % HV
@@ -66,19 +70,20 @@ def chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT: tl.conste
 
 
 @triton.jit
-def sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
+def sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, seq_offsets, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     """For a per-sequence program ((sequence *) value head ``i_bh``, 64-bit):
     ``(n, i_hv, i_h, bos, T_n, NC_n, g_0, s_0)``: the sequence, the heads, its
-    first row, length and chunk count, its first chunk's global index and its
-    first chunk-state slot."""
+    first row, length and chunk count, its first chunk's global index and the slot
+    of the state entering its first chunk (chunk c's at s_0 + c; without initial
+    states s_0 itself is never stored: see the module docstring)."""
     n = i_bh // HV
     i_hv = i_bh % HV
     if IS_VARLEN:
         bos = tl.load(cu_seqlens + n).to(tl.int64)
         T_n = tl.load(cu_seqlens + n + 1).to(tl.int64) - bos
         NC_n = tl.cdiv(T_n, BT)
-        g_0 = tl.load(chunk_offsets + n).to(tl.int64)
-        s_0 = g_0 + n
+        g_0 = tl.load(seq_offsets + n * 2)
+        s_0 = tl.load(seq_offsets + n * 2 + 1)
     else:
         bos = n * T
         T_n = T
@@ -104,6 +109,6 @@ def chunk_in_sequence(i_c, chunk_index, IS_VARLEN: tl.constexpr):
     chunk-parallel kernels that skip what is zero there: the state entering a
     sequence's first chunk without an initial state."""
     if IS_VARLEN:
-        return tl.load(chunk_index + i_c * 2 + 1)
+        return tl.load(chunk_index + i_c * 3 + 1)
     else:
         return i_c

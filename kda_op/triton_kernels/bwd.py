@@ -48,7 +48,7 @@ def kda_bwd_triton(
     """
     q, k, v, g, beta, do = (x.contiguous() for x in (q, k, v, g, beta, do))
     chunk_states = chunk_states.contiguous()
-    s = _sizes(q, v, cu_seqlens=cu_seqlens)
+    s = _sizes(q, v, cu_seqlens=cu_seqlens, has_initial_state=initial_state is not None)
     B, T, H, HV, K, V, NC = s["B"], s["T"], s["H"], s["HV"], s["K"], s["V"], s["NC"]
     G = HV // H
     scale = K**-0.5 if scale is None else float(scale)

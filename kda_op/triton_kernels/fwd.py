@@ -113,10 +113,10 @@ def kda_fwd_triton(
     ``gate``: None, or fla's in-kernel gate ``(A_log, dt_bias, lower_bound)``
     with ``g`` the raw gate (``_host._gate_args``). ``cu_seqlens``: N sequences
     packed along T (B = 1; _indexing.py); states are then [N, HV, K, V] and the
-    chunk states ``_contract.varlen_state_slots`` slots. ``output_final_state=False``:
+    chunk states ``_contract.varlen_state_slots`` slots (fewer without an initial state). ``output_final_state=False``:
     the final state is empty ([0]), never stored."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    s = _sizes(q, v, cu_seqlens=cu_seqlens)
+    s = _sizes(q, v, cu_seqlens=cu_seqlens, has_initial_state=initial_state is not None)
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     scale = K**-0.5 if scale is None else float(scale)
     f32 = dict(device=q.device, dtype=torch.float32)
@@ -173,7 +173,7 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
         ht_or_stand_in, *s["VL_SEQ"], T, NC, s["H"], HV, ht_or_stand_in if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
-        IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first,
+        IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first, COMPACT_STATES=s["COMPACT_STATES"],
         num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
     )
     if s["IS_VARLEN"]:
@@ -246,7 +246,7 @@ def kda_fwd_triton_export(
     The same kernels with the same settings as ``kda_fwd_triton`` (up to the scans'
     V block), so the same numbers."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    s = _sizes(q, v, scan_batch=1, cu_seqlens=cu_seqlens)
+    s = _sizes(q, v, scan_batch=1, cu_seqlens=cu_seqlens, has_initial_state=initial_state is not None)
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     scale = K**-0.5 if scale is None else float(scale)
     f32 = dict(device=q.device, dtype=torch.float32)

@@ -81,7 +81,10 @@ def kda_state_bwd_prep_kernel(
     row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
 
     if not HAS_UP:
-        b_s0 = tl.load(chunk_states + state_off, mask=m_kv, other=0.0).to(tl.float32)
+        # S0 = 0 entering a sequence's first chunk without an initial state: not read
+        # (not stored either in the chunk states' compact layout, _indexing.py)
+        use_s0 = ((((c_seq > 0) | HAS_DH0).to(tl.int32) + 0 * o_k) > 0)[:, None]  # a block mask
+        b_s0 = tl.load(chunk_states + state_off, mask=m_kv & use_s0, other=0.0).to(tl.float32)
         b_w = tl.load(w + row_k, mask=m_tk, other=0.0).to(tl.float32)
         b_u = tl.load(u + row_v, mask=m_tv, other=0.0).to(tl.float32)
         tl.store(up + row_v, as_stored(b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC), up, INTERPRET), mask=m_tv)
@@ -103,7 +106,7 @@ def kda_state_bwd_prep_kernel(
 def kda_state_bwd_kernel(
     kr, w, gam, dht,
     dup, dchunk_states, dh0,
-    cu_seqlens, chunk_offsets,  # varlen (IS_VARLEN): _indexing.py
+    cu_seqlens, seq_offsets,  # varlen (IS_VARLEN): _indexing.py
     ds_offsets,  # COMPACT: each sequence's first dS_C slot (a stand-in otherwise)
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
@@ -120,7 +123,7 @@ def kda_state_bwd_kernel(
     # 2 GiB at 2048 packed sequences of 16 heads).
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT,
+    i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, seq_offsets, BT,
                                                          IS_VARLEN)
     # Each pointer moves to this sequence and head once, in 64-bit, and to each
     # chunk in 64-bit in the loop; offsets inside a chunk are 32-bit at any T.

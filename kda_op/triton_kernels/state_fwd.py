@@ -19,7 +19,7 @@ from ._indexing import sequence_coords
 def kda_state_fwd_kernel(
     kr, w, u, gam, h0,
     up, chunk_states, ht,
-    cu_seqlens, chunk_offsets,  # varlen (IS_VARLEN): _indexing.py
+    cu_seqlens, seq_offsets,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     slots,  # POOL: each sequence's slot in the pool that h0 and ht both are (a stand-in otherwise)
@@ -28,7 +28,11 @@ def kda_state_fwd_kernel(
     HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr, STORE_HT: tl.constexpr = True,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, V_FIRST: tl.constexpr = False,
+    COMPACT_STATES: tl.constexpr = False,
 ):
+    # COMPACT_STATES (packed sequences without initial states; _indexing.py): the zero
+    # state entering a sequence's first chunk and its final state are not stored in
+    # chunk_states (the final one goes to ht only, when STORE_HT).
     # POOL: prefill into a state pool [num_slots, HV, K, V] ([.., V, K] with
     # V_FIRST) in place: sequence i_b starts from slot slots[i_b] and leaves its
     # final state there; a negative slot reads zeros and writes nothing. Each
@@ -38,7 +42,7 @@ def kda_state_fwd_kernel(
     # on the scan's serial path and no widening of W and Kr.
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, chunk_offsets, BT, IS_VARLEN)
+    i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, seq_offsets, BT, IS_VARLEN)
     # Each pointer moves to this sequence and head once, in 64-bit, and to each
     # chunk in 64-bit in the loop; offsets inside a chunk are 32-bit at any T.
     kr += (bos * HV + i_hv) * K
@@ -84,9 +88,11 @@ def kda_state_fwd_kernel(
     # taken here, out of the loop (a one-chunk sequence: short packed sequences). Not for
     # equal-length batches, whose loop it would lengthen for the one chunk in NC it saves.
     PEEL: tl.constexpr = IS_VARLEN and not HAS_H0
+    tl.static_assert(PEEL or not COMPACT_STATES, "the compact layout has no slot for a first chunk's state")
     if PEEL:
         if NC > 0:
-            tl.store(chunk_states + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
+            if not COMPACT_STATES:
+                tl.store(chunk_states + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
             m_t = o_r < T
             b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
             b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -106,6 +112,7 @@ def kda_state_fwd_kernel(
         b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
-    tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
+    if not COMPACT_STATES:
+        tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
     if STORE_HT:  # not without output_final_state (ht is then a stand-in)
         tl.store(ht + ends_off, b_s, mask=m_ends)
