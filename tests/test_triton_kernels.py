@@ -173,6 +173,65 @@ def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, block_refs, common_
     assert flags[0, :, 0].tolist() == [0, 1 if common_refs else 2, 2]
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, -7.375])
+def test_triton_bounded_gate_needs_no_steep_launch(lower_bound, monkeypatch):
+    """fla's bounded gate (lower_bound * sigmoid(...)) keeps every log decay within
+    |lower_bound|, so with block references no chunk takes the steep launch
+    (fwd._no_steep_launch), which is then not run. Raw gates far above zero make
+    each decay about lower_bound (sigmoid ~ 1): every chunk is steep (32 rows *
+    5 > 60) and takes flag 1, none 2; o, the final state and the grads are bitwise
+    those with the launch run (settings.SKIP_IDLE_STEEP_LAUNCH = 0) and match the
+    reference. Past the bound (-7.5: 8 rows may reach 60) the launch runs."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+    from kda_op.triton_kernels._host import _gate_args, _sizes
+
+    B, T, H, G, K, V = 1, 2 * CHUNK_SIZE + 40, 1, 2, 16, 16  # the last chunk's 40 rows: steep too
+    gen = torch.Generator().manual_seed(41)
+    q = torch.randn(B, T, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, H * G, V, generator=gen)
+    g = 12.0 + torch.randn(B, T, H * G, K, generator=gen)  # sigmoid(exp(A_log) * (g + dt_bias)) ~ 1
+    beta = torch.sigmoid(torch.randn(B, T, H * G, generator=gen))
+    A_log, dt_bias = torch.rand(H * G, generator=gen), 0.1 * torch.randn(H * G * K, generator=gen)
+    gate = (A_log, dt_bias, lower_bound)
+    do = torch.randn(B, T, H * G, V, generator=gen)
+    dht = torch.randn(B, H * G, K, V, generator=gen)
+    args = [x.to(DEVICE) for x in (q, k, v, g, beta)]
+    gate_d = (A_log.to(DEVICE), dt_bias.to(DEVICE), lower_bound)
+    assert fwd._no_steep_launch(_gate_args(gate_d, args[3]))
+    launches = []
+    steep_kernel = fwd.kda_intra_a_fwd_steep_kernel
+
+    class Counting:
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return steep_kernel[grid]
+
+    monkeypatch.setattr(fwd, "kda_intra_a_fwd_steep_kernel", Counting())
+    results = {}
+    for skip in (1, 0):
+        monkeypatch.setattr(settings, "SKIP_IDLE_STEEP_LAUNCH", skip)
+        launches.clear()
+        o, ht, cs, _ = kda_fwd_triton(*args, None, None, False, gate=gate_d)
+        grads = kda_bwd_triton(*args, None, None, cs, do.to(DEVICE), dht.to(DEVICE), None, gate=gate_d)
+        assert len(launches) == (0 if skip else 2), launches  # forward + the backward's recompute
+        results[skip] = (o, ht, *grads)
+    flags = fwd._intra_fwd(*args, K**-0.5, _sizes(args[0], args[2]), store_tm=False, gate=gate_d)["steep"]
+    assert (flags == 1).all(), flags
+    for a, b in zip(results[0], results[1]):
+        assert torch.equal(a, b)
+    want = _reference_fwd(q, k, v, g, beta, None, None, gate, None)
+    want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, dht, gate, None)
+    for name, a, b in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"),
+                          results[1], (want[0], want[1], *want_grads)):
+        if b.numel():
+            _rel_close(a, b, name)
+    monkeypatch.setattr(settings, "SKIP_IDLE_STEEP_LAUNCH", 1)
+    assert not fwd._no_steep_launch(_gate_args((gate_d[0], gate_d[1], -7.5), args[3]))
+    assert not fwd._no_steep_launch(_gate_args((gate_d[0], gate_d[1], None), args[3]))  # softplus: unbounded
+
+
 @pytest.mark.parametrize("T", [2 * CHUNK_SIZE + 7, CHUNK_SIZE + 40])  # 40: a block cut by T
 def test_triton_tm_row_loads(T, monkeypatch):
     """intra_wu_fwd's other way to its forward substitution (settings.TM_ROW_LOADS =

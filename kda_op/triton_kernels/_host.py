@@ -170,7 +170,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
     BK = max(32, triton.next_power_of_2(K))
     bf16_operands = scan_operand_dtype(q.dtype) == torch.bfloat16  # the *_BF16_DOTS options apply
     # short packed sequences (settings.SHORT_SEQ_CHUNKS): the scans' V block from the
-    # sequence count (not from B = 1) and the forward scan's own warps and stages
+    # sequence count (not from B = 1)
     short = (cu_seqlens is not None and scan_batch is None and isinstance(T, int)
              and isinstance(varlen["NSEQ"], int) and T <= S.SHORT_SEQ_CHUNKS * BT * varlen["NSEQ"])
     scan_b = (varlen["NSEQ"] if short else B) if scan_batch is None else scan_batch
@@ -188,8 +188,8 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
         SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else wide_stages,
         # three stages of fp32 W and Kr (fp32 and fp16 inputs) need 240 KB of shared
         # memory at BK = 128, BV = 32: more than the H200's 227
-        SCAN_FWD_STAGES=min(fwd_stages, S.SCAN_FWD_SHORT_STAGES or fwd_stages) if short else fwd_stages,
-        SCAN_FWD_WARPS=(S.SCAN_FWD_SHORT_WARPS if short else None) or S.SCAN_FWD_WARPS or S.SCAN_WARPS,
+        SCAN_FWD_STAGES=fwd_stages,
+        SCAN_FWD_WARPS=S.SCAN_FWD_WARPS or S.SCAN_WARPS,
         SCAN_BF16_DOTS=bf16_operands and bool(S.SCAN_BF16_DOTS),
         OUTPUT_BF16_DOTS=bf16_operands and bool(S.OUTPUT_BF16_DOTS),
         WU_BF16_DOTS=bf16_operands and bool(S.WU_BF16_DOTS),

@@ -136,6 +136,11 @@ STEEP_BLOCK_REFS = 1
 # the steep launch took 0.30 of a 0.87 ms forward (GPU time, B1-T8192-H16) and 3.06
 # of 11.9 at 2048 packed sequences of 1-64 tokens (H200, 2026-12-01). Untimed.
 INTRA_A_BLOCK_REFS = 1
+# ... and the steep launch not run where no chunk can need it (fwd._no_steep_launch:
+# fla's bounded gate with |lower_bound| <= 7.375, block references on), instead of
+# always (0). Untimed: the launch took 0.31 ms of exits at 2048 packed sequences of
+# 1-64 tokens (0.016 at B1-T8192-H16) with fla's layer flags (H200, 2026-12-01).
+SKIP_IDLE_STEEP_LAUNCH = 1
 # The scans: one program per (V block of BV_SCAN, batch * value head), sequential
 # over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
 # next chunk (two stages) where BK <= 128, which fits the H200's 227 KB of shared
@@ -181,13 +186,13 @@ SCAN_FWD_PER_SM = 1
 # Packed sequences of at most SHORT_SEQ_CHUNKS chunks on average (T <= that * BT * N,
 # known on the host without a sync; not under tracing, where T stays symbolic): the
 # scans' V block is chosen from the N sequences, not from B = 1 (at 2048 sequences of
-# 16 heads a V block of 16 makes 262144 one-chunk programs, one per SM at a time),
-# and the forward scan runs SCAN_FWD_SHORT_WARPS warps and SCAN_FWD_SHORT_STAGES
-# stages (None: its own). On the H200 (2026-12-01, same process, varlen-2048x1-64,
+# 16 heads a V block of 16 makes 262144 one-chunk programs, one per SM at a time).
+# On the H200 (2026-12-01, same process, varlen-2048x1-64,
 # fla's layer flags): state_fwd 3.43 -> 2.13 ms, state_bwd 0.81 -> 0.25, forward
 # 10.14 -> 8.89 ms, forward+backward 26.29 -> 24.60 (V blocks 16 -> 64); varlen-mixed
-# (ten sequences of 8192 tokens: 13 chunks each on average) is not short. Never one
-# stage: four warps at one stage (state_fwd 3.41 -> 2.04 ms at 2048 sequences of 1-64
+# (ten sequences of 8192 tokens: 13 chunks each on average) is not short. Their own
+# warps and stages (knobs removed in the fourteenth session) never helped: four warps
+# at one stage (state_fwd 3.41 -> 2.04 ms at 2048 sequences of 1-64
 # tokens, H200, 2026-12-01) gave wrong results or an
 # illegal memory access on the H200 (Triton 3.6, bf16) as soon as a sequence had more
 # than one chunk; a probe of the scan alone found one stage broken at K = 64 and 128
@@ -203,8 +208,6 @@ SHORT_SEQ_CHUNKS = 2
 # (2026-12-01, same process, varlen-2048x1-64): peak 9.70 -> 8.95 GiB (fla 8.57),
 # forward+backward 22.898 -> 22.917 ms (noise).
 COMPACT_DSTATES = 1
-SCAN_FWD_SHORT_WARPS = None
-SCAN_FWD_SHORT_STAGES = None
 # bf16 inputs: the forward scan's (SCAN_) and the output's (OUTPUT_) dots take bf16
 # operands, the state and U' rounded to bf16 as they enter them (fp32
 # accumulation, fp32 state throughout), as fla's forward does; 0 keeps TF32 dots.
