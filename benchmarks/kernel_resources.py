@@ -246,6 +246,10 @@ def main(argv: list[str] | None = None) -> int:
               dbeta=x, R="i32", beta_scale="fp32"),
          dict(K=K, G=4, BK=s["BK"], BR=S.PREP_ROWS, BB=4 * S.PREP_ROWS, L2NORM=True, SIGMOID=True), S.PREP_WARPS, 3),
     ]
+    if args.varlen and S.SHORT_TILE:  # short packed sequences' launches on [SHORT_TILE, SHORT_TILE] tiles
+        tiled = [(fn, sig, dict(const, TILE=S.SHORT_TILE), warps, stages) for fn, sig, const, warps, stages in runs
+                 if fn in (intra_a_fwd.kda_intra_a_fwd_kernel, intra_wu_fwd.kda_intra_wu_fwd_kernel)]
+        runs += tiled
     print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))
     over = []
     for fn, sig, const, warps, stages in runs:

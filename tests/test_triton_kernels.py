@@ -232,6 +232,66 @@ def test_triton_bounded_gate_needs_no_steep_launch(lower_bound, monkeypatch):
     assert not fwd._no_steep_launch(_gate_args((gate_d[0], gate_d[1], None), args[3]))  # softplus: unbounded
 
 
+@pytest.mark.parametrize("gated", [False, True])
+def test_triton_short_tiles_match_full_tiles(gated, monkeypatch):
+    """Short packed sequences (settings.SHORT_TILE): the chunks of at most 32 rows
+    go through intra_a_fwd and intra_wu_fwd on [32, 32] tiles, in launches of their
+    own; o, the chunk states, every kept intermediate (Tm's and the A's columns past
+    the tile stored as zeros) and every grad are those of [64, 64] tiles within fp32
+    rounding, and match the reference. Lengths at and around 32 and 64, a long one
+    whose last chunk is short, an empty one; with fla's bounded gate (block
+    references) and without (the split at the middle row)."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+
+    lengths = [1, 31, 32, 33, 0, 64, 70, 2]
+    T, HV, K, V = sum(lengths), 2, 32, 16
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    gen = torch.Generator().manual_seed(37)
+    q = torch.randn(1, T, 1, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, HV, V, generator=gen)
+    g = torch.randn(1, T, HV, K, generator=gen) if gated else -0.2 * torch.rand(1, T, HV, K, generator=gen)
+    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen))
+    gate = (torch.randn(HV, generator=gen), torch.randn(HV * K, generator=gen), -5.0) if gated else None
+    do = torch.randn(1, T, HV, V, generator=gen)
+    args = [x.to(DEVICE) for x in (q, k, v, g, beta)]
+    gate_d = None if gate is None else tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d = cu.to(DEVICE)
+    tiles = []
+    for name in ("kda_intra_a_fwd_kernel", "kda_intra_wu_fwd_kernel"):
+        kernel = getattr(fwd, name)
+
+        class Recording:
+            def __getitem__(self, grid, kernel=kernel):
+                def launch(*a, **kw):
+                    tiles.append(kw["TILE"])
+                    return kernel[grid](*a, **kw)
+                return launch
+
+        monkeypatch.setattr(fwd, name, Recording())
+    results = {}
+    for tile in (32, 0):
+        monkeypatch.setattr(settings, "SHORT_TILE", tile)
+        tiles.clear()
+        o, _, cs, kept = kda_fwd_triton(*args, None, None, True, gate=gate_d, cu_seqlens=cu_d,
+                                        output_final_state=False)
+        assert sorted(tiles) == ([0, 0, 32, 32] if tile else [0, 0]), tiles
+        grads = kda_bwd_triton(*args, None, None, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d)
+        grads_recomputed = kda_bwd_triton(*args, None, None, cs, do.to(DEVICE), None, None, gate=gate_d,
+                                          cu_seqlens=cu_d)
+        results[tile] = (o, cs, kept.view(torch.float32)[:kept.numel() // 4], *grads, *grads_recomputed)
+    for i, (a, b) in enumerate(zip(results[32], results[0])):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"output {i}: {m}")  # fp32 rounding
+    want = _reference_fwd(q, k, v, g, beta, None, None, gate, cu)
+    want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, None, gate, cu)
+    _rel_close(results[32][0], want[0], "o")
+    _rel_close(results[32][1], want[2], "chunk_states")
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), results[32][3:11], want_grads):
+        if b.numel():
+            _rel_close(a, b, name)
+
+
 @pytest.mark.parametrize("T", [2 * CHUNK_SIZE + 7, CHUNK_SIZE + 40])  # 40: a block cut by T
 def test_triton_tm_row_loads(T, monkeypatch):
     """intra_wu_fwd's other way to its forward substitution (settings.TM_ROW_LOADS =

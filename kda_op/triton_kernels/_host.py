@@ -181,6 +181,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
     return dict(
         B=B, T=T, H=H, K=K, HV=HV, V=V,
         **varlen,
+        SHORT=short,
         BK=BK,
         BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
         BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),

@@ -89,13 +89,17 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             K=K, BT=BT, BKG=S.BKG, GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
             IS_VARLEN=s["IS_VARLEN"], BC=BC, SPREADS=not row_spreads, num_warps=S.GAM_WARPS,
         )
-    _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
-        q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
-        SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
-        NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
-        BKR=min(128, triton.next_power_of_2(K)),
-        num_warps=S.INTRA_A_FWD_WARPS, **regs,
-    )
+    # short packed sequences (settings.SHORT_TILE): the chunks of at most SHORT_TILE rows
+    # in launches of their own on smaller tiles, which the launches at BT skip
+    tile = S.SHORT_TILE if (S.SHORT_TILE and s["SHORT"] and gam_kernel and not traced) else 0
+    for tile_arg, skip_arg in ((0, tile), (tile, 0)) if tile else ((0, 0),):
+        _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
+            q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
+            SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
+            NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
+            BKR=min(128, triton.next_power_of_2(K)), TILE=tile_arg, SKIP_TILED=skip_arg,
+            num_warps=S.INTRA_A_FWD_WARPS, **regs,
+        )
     if not _no_steep_launch(ga):
         row_programs = bool(S.STEEP_FWD_ROW_PROGRAMS)
         _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV, BT // BC if row_programs else 1)](
@@ -104,13 +108,15 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs,
             BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
         )
-    _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-        k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,
-        H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"],
-        STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
-        BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-        num_warps=S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS,
-    )
+    wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS
+    for tile_arg, skip_arg in ((0, tile), (tile, 0)) if tile else ((0, 0),):
+        _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
+            k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,
+            H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"],
+            STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
+            BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
+            TILE=tile_arg, SKIP_TILED=skip_arg, num_warps=wu_warps,
+        )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
 

@@ -85,8 +85,13 @@ def kda_intra_a_fwd_kernel(
     GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, NKB: tl.constexpr = 1,
     BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16, ROW_SPREADS: tl.constexpr = False,
-    BKR: tl.constexpr = 64,
+    BKR: tl.constexpr = 64, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
 ):
+    # TILE (packed sequences, with GAM_IN): a launch for the chunks of at most TILE rows
+    # (half a chunk), on [TILE, TILE] tiles instead of [BT, BT]; its programs return at
+    # once for longer chunks, and the launch at BT skips the chunks of at most
+    # SKIP_TILED rows. The same values (rows and columns past a chunk's end are zero in
+    # either; the A rows' columns past TILE are stored as zeros).
     # GAM_IN: gam was written by gam_fwd.py (settings.INTRA_GAM_KERNEL): read here,
     # with its middle and last rows as vector loads, and not stored again.
     # gam_fwd.py (GAM_IN) also wrote how far gam strays from the
@@ -115,8 +120,17 @@ def kda_intra_a_fwd_kernel(
         # an unused chunk slot (past the last sequence's chunks): no row to compute; its
         # steep flag, kept for the backward, is 0
         if T <= 0:
-            tl.store(steep + g_c * HV + i_hv, 0)
+            if TILE == 0:
+                tl.store(steep + g_c * HV + i_hv, 0)
             return
+        if TILE > 0:
+            if T > TILE:  # the launch at BT takes it
+                return
+        if SKIP_TILED > 0:
+            if T <= SKIP_TILED:  # the launch at TILE takes it
+                return
+    R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
+    tl.static_assert(TILE == 0 or (GAM_IN and IS_VARLEN), "tiles of TILE rows: packed sequences, gam read")
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     q += (bos * H + i_h) * K
@@ -128,7 +142,7 @@ def kda_intra_a_fwd_kernel(
     qg += (bos * HV + i_hv) * K
     kr += (bos * HV + i_hv) * K
 
-    o_r = tl.arange(0, BT)
+    o_r = tl.arange(0, R)
     o_t = o_r
     m_t = o_t < T
     o_gt = gam_row(o_t, T)  # the rows of gam read: past the end, the last
@@ -139,12 +153,12 @@ def kda_intra_a_fwd_kernel(
     # past the end load g = 0, so they repeat the last gam), Qg and Kr, how far gam
     # strays from the chunk's middle row, and the slices' shares of both A's.
     spread = tl.full([], 0.0, tl.float32)
-    b_spread = tl.zeros([BT, BKA], dtype=tl.float32)
-    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_spread = tl.zeros([R, BKA], dtype=tl.float32)
+    b_akk = tl.zeros([R, R], dtype=tl.float32)
+    b_aqk = tl.zeros([R, R], dtype=tl.float32)
     mode = 0
     if GAM_IN and ROW_SPREADS:
-        NB: tl.constexpr = BT // BC
+        NB: tl.constexpr = R // BC
         o_b = tl.arange(0, NB) * BC  # each block's first row
         # elementwise over the K slices, one reduction each after them
         b_bspread = tl.zeros([NB, BKR], dtype=tl.float32)
@@ -207,7 +221,7 @@ def kda_intra_a_fwd_kernel(
             if mode == 0:
                 b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
             elif mode == 1:
-                b_akk, b_aqk = _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV, K, BT, BC,
+                b_akk, b_aqk = _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV, K, R, BC,
                                                  DOT_PREC)
         else:
             b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
@@ -223,6 +237,12 @@ def kda_intra_a_fwd_kernel(
         tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
         tl.store(aqk + p_a, as_stored(tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), aqk,
                                       INTERPRET).to(aqk.dtype.element_ty), mask=m_t[:, None])
+        if R < BT:  # the columns past the tile: zero (above the diagonal of every row here)
+            o_z = R + tl.arange(0, BT - R)
+            p_z = (o_t[:, None]) * (HV * BT) + o_z[None, :]
+            b_z = tl.zeros([R, BT - R], dtype=tl.float32)
+            tl.store(akk + p_z, b_z, mask=m_t[:, None])
+            tl.store(aqk + p_z, b_z.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
 @triton.jit
 def _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K: tl.constexpr, BKS: tl.constexpr):

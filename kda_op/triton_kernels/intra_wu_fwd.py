@@ -26,8 +26,11 @@ def kda_intra_wu_fwd_kernel(
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
 ):
+    # TILE / SKIP_TILED: as in intra_a_fwd.py (a launch on [TILE, TILE] tiles for the
+    # chunks of at most TILE rows; the launch at BT skips those); Tm's columns past the
+    # tile are stored as zeros.
     # BF16_DOTS (bf16 inputs): W and U from Tm and their right-hand sides rounded to
     # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
     i_c = tl.program_id(0)
@@ -36,6 +39,14 @@ def kda_intra_wu_fwd_kernel(
     if IS_VARLEN:
         if T <= 0:  # an unused chunk slot (past the last sequence's chunks): nothing to compute
             return
+        if TILE > 0:
+            if T > TILE:  # the launch at BT takes it
+                return
+        if SKIP_TILED > 0:
+            if T <= SKIP_TILED:  # the launch at TILE takes it
+                return
+    R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
+    tl.static_assert(TILE == 0 or IS_VARLEN, "tiles of TILE rows: packed sequences")
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     k += (bos * H + i_h) * K
@@ -47,7 +58,7 @@ def kda_intra_wu_fwd_kernel(
     akk += (bos * HV + i_hv) * BT
     tm += (bos * HV + i_hv) * BT
 
-    o_r = tl.arange(0, BT)
+    o_r = tl.arange(0, R)
     o_t = o_r
     m_t = o_t < T
     o_k = tl.arange(0, BK)
@@ -56,16 +67,16 @@ def kda_intra_wu_fwd_kernel(
 
     # Tm = (I + M)^-1, M = diag(beta) A_kk strictly lower. With D the BC x BC
     # diagonal blocks of M and N the rest, I + M = (I + D)(I + P), P = (I + D)^-1 N.
-    # The four (I + D) blocks are inverted together by forward substitution (BC - 1
+    # The NB (I + D) blocks are inverted together by forward substitution (BC - 1
     # steps on [NB, BC, BC]); P is strictly block-lower, so P^NB = 0 and
-    # (I + P)^-1 = (I - P)(I + P^2) for NB = 4: three dots instead of BT - 1
-    # sequential row updates.
+    # (I + P)^-1 = (I - P)(I + P^2) for NB = 4 (I - P for NB = 2, a tile of 32
+    # rows): three dots instead of BT - 1 sequential row updates.
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     b_a = tl.load(akk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
     b_m = b_beta[:, None] * b_a
-    NB: tl.constexpr = BT // BC
-    tl.static_assert(BT // BC == 4, "(I + P)^-1 = (I - P)(I + P^2) needs exactly 4 sub-blocks")
+    NB: tl.constexpr = R // BC
+    tl.static_assert(NB == 4 or NB == 2, "(I + P)^-1 = (I - P)(I + P^2) needs 4 sub-blocks (I - P: 2)")
     o_b = tl.arange(0, NB)
     same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
     b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
@@ -84,14 +95,21 @@ def kda_intra_wu_fwd_kernel(
             b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
         b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
         b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
-    b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (BT, BT))
+    b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
     b_n = tl.where(o_r[:, None] // BC > o_r[None, :] // BC, b_m, 0.0)
     b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
     b_p = tl.dot(b_dinv, b_n, input_precision=DOT_PREC)
-    b_p2 = tl.dot(b_p, b_p, input_precision=DOT_PREC)
-    b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
+    if NB == 4:
+        b_p2 = tl.dot(b_p, b_p, input_precision=DOT_PREC)
+        b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
+    else:
+        b_tm = tl.dot(b_eye - b_p, b_dinv, input_precision=DOT_PREC)
     if STORE_TM:
         tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], b_tm, mask=m_t[:, None])
+        if R < BT:  # the columns past the tile: zero
+            o_z = R + tl.arange(0, BT - R)
+            tl.store(tm + (o_t[:, None]) * (HV * BT) + o_z[None, :], tl.zeros([R, BT - R], dtype=tl.float32),
+                     mask=m_t[:, None])
 
     b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
                   mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)

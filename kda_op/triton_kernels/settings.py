@@ -199,6 +199,13 @@ SCAN_FWD_PER_SM = 1
 # with four or eight warps, three stages right at either (the interpreter cannot show
 # it; fp32 at K = 256, which takes one stage too, passes the CUDA tests).
 SHORT_SEQ_CHUNKS = 2
+# ... and for such sequences the intra-chunk forward kernels (intra_a_fwd, intra_wu_fwd)
+# take the chunks of at most SHORT_TILE rows in launches of their own on [SHORT_TILE,
+# SHORT_TILE] tiles (a quarter of the dots' work, half the rows), which the launches
+# at BT skip (0: every chunk on [BT, BT] tiles). At 2048 packed sequences of 1-64
+# tokens half the chunks are that short; there the two kernels took 4.45 of a 6.91 ms
+# forward on [64, 64] tiles (fla: 5.55 in all; H200, 2026-12-01). Untimed.
+SHORT_TILE = 32
 # The backward's dS_C buffer (bf16 or fp32 [slots, HV, K, V], live at the backward's
 # peak) for packed sequences without dh0 and dht (training): 1 = each sequence one slot
 # fewer than its chunks (chunk c's Qg^T dO put in chunk c - 1's slot), T // 64 slots in
