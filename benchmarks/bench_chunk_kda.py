@@ -331,8 +331,10 @@ def write_table(rows, args, fla_version, csv_rows) -> None:
             f.write("shape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n" + "\n".join(csv_rows) + "\n")
     if args.out:
         with open(args.out, "w") as f:
-            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --mode {args.mode} --impl {args.impl} "
-                    f"--shapes {' '.join(args.shapes)} --rounds {args.rounds}"
+            # --mode varlen has shapes of its own (--shapes is not read)
+            shapes = "" if args.mode == "varlen" else f" --shapes {' '.join(args.shapes)}"
+            f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --mode {args.mode} --impl {args.impl}"
+                    f"{shapes} --rounds {args.rounds}"
                     + (" --variants " + " ".join(f'"{v}"' for v in args.variants) if args.variants else "")
                     + f" --out {args.out}`\n\n{table}\n")
 

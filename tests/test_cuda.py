@@ -78,10 +78,9 @@ def test_cuda_short_sequences_match_reference(T, dtype):
         assert _rel_err(a, b) < tol, (name, _rel_err(a, b))
 
 
-# K = 256: the scans compile unpipelined there (one stage's SASS at any setting), the
-# setting a probe found wrong for bf16 at K = 64 and 128 on the H200; the bf16 case here
-# failed once (o 7.3e-2 off) and passed five times since (benchmarks/NOTES.md, thirteenth
-# session): an intermittent fault whose cause is not found
+# K = 256: with the scans at one pipeline stage (the setting a probe found wrong for bf16
+# at K = 64 and 128 on the H200) the bf16 case here gave o 7.3e-2 off in every run; at two
+# stages (settings.SCAN_STAGES_WIDE_BF16) it passes (benchmarks/NOTES.md, fourteenth session)
 @pytest.mark.parametrize("dtype,K", [(torch.bfloat16, 128), (torch.float16, 128), (torch.bfloat16, 256)])
 def test_cuda_half_precision_matches_reference(dtype, K):
     B, T, H, G, V = 2, 333, 2, 2, K

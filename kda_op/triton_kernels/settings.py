@@ -138,8 +138,9 @@ STEEP_BLOCK_REFS = 1
 INTRA_A_BLOCK_REFS = 1
 # ... and the steep launch not run where no chunk can need it (fwd._no_steep_launch:
 # fla's bounded gate with |lower_bound| <= 7.375, block references on), instead of
-# always (0). Untimed: the launch took 0.31 ms of exits at 2048 packed sequences of
-# 1-64 tokens (0.016 at B1-T8192-H16) with fla's layer flags (H200, 2026-12-01).
+# always (0). On the H200 (2026-12-01, same process, fla's layer flags, 2048 packed
+# sequences of 1-64 tokens): forward 6.921 -> 6.664 ms, forward+backward 22.507 ->
+# 22.247 (the launch's 0.309 ms of exits gone; 0.015 ms at varlen-mixed).
 SKIP_IDLE_STEEP_LAUNCH = 1
 # The scans: one program per (V block of BV_SCAN, batch * value head), sequential
 # over chunks. SCAN_WARPS spread the [BK, BV_SCAN] fp32 state; they prefetch the
@@ -204,7 +205,10 @@ SHORT_SEQ_CHUNKS = 2
 # SHORT_TILE] tiles (a quarter of the dots' work, half the rows), which the launches
 # at BT skip (0: every chunk on [BT, BT] tiles). At 2048 packed sequences of 1-64
 # tokens half the chunks are that short; there the two kernels took 4.45 of a 6.91 ms
-# forward on [64, 64] tiles (fla: 5.55 in all; H200, 2026-12-01). Untimed.
+# forward on [64, 64] tiles (fla: 5.55 in all). On the H200 (2026-12-01, same process,
+# fla's layer flags): intra_wu_fwd 2.307 -> 2.131 ms, intra_a_fwd 2.191 -> 2.052,
+# forward 6.719 -> 6.385 ms (fla 5.606), forward+backward 22.475 -> 22.109; varlen-mixed
+# (not short) the same.
 SHORT_TILE = 32
 # The backward's dS_C buffer (bf16 or fp32 [slots, HV, K, V], live at the backward's
 # peak) for packed sequences without dh0 and dht (training): 1 = each sequence one slot
