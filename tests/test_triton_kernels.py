@@ -232,6 +232,23 @@ def test_triton_bounded_gate_needs_no_steep_launch(lower_bound, monkeypatch):
     assert not fwd._no_steep_launch(_gate_args((gate_d[0], gate_d[1], None), args[3]))  # softplus: unbounded
 
 
+def _packed_problem(lengths, seed, gated, decay):
+    """Packed sequences of these lengths (one key head, two value heads, K = 32, V = 16,
+    fp32 on the CPU): ``(cu_seqlens, (q, k, v, g, beta), gate, do)``; g is fla's raw gate
+    with its lower_bound form at -5 (gated), else log decays in [-decay, 0)."""
+    T, HV, K, V = sum(lengths), 2, 32, 16
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, 1, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, HV, V, generator=gen)
+    g = torch.randn(1, T, HV, K, generator=gen) if gated else -decay * torch.rand(1, T, HV, K, generator=gen)
+    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen))
+    gate = (torch.randn(HV, generator=gen), torch.randn(HV * K, generator=gen), -5.0) if gated else None
+    do = torch.randn(1, T, HV, V, generator=gen)
+    return cu, (q, k, v, g, beta), gate, do
+
+
 @pytest.mark.parametrize("gated", [False, True])
 def test_triton_short_tiles_match_full_tiles(gated, monkeypatch):
     """Short packed sequences (settings.SHORT_TILE): the chunks of at most 32 rows
@@ -245,16 +262,7 @@ def test_triton_short_tiles_match_full_tiles(gated, monkeypatch):
     from kda_op.triton_kernels import fwd, settings
 
     lengths = [1, 31, 32, 33, 0, 64, 70, 2]
-    T, HV, K, V = sum(lengths), 2, 32, 16
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    gen = torch.Generator().manual_seed(37)
-    q = torch.randn(1, T, 1, K, generator=gen)
-    k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen), dim=-1)
-    v = torch.randn(1, T, HV, V, generator=gen)
-    g = torch.randn(1, T, HV, K, generator=gen) if gated else -0.2 * torch.rand(1, T, HV, K, generator=gen)
-    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen))
-    gate = (torch.randn(HV, generator=gen), torch.randn(HV * K, generator=gen), -5.0) if gated else None
-    do = torch.randn(1, T, HV, V, generator=gen)
+    cu, (q, k, v, g, beta), gate, do = _packed_problem(lengths, 37, gated, decay=0.2)
     args = [x.to(DEVICE) for x in (q, k, v, g, beta)]
     gate_d = None if gate is None else tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
     cu_d = cu.to(DEVICE)
@@ -543,16 +551,7 @@ def test_triton_compact_dstates_give_the_same_bits(gated, monkeypatch):
     from kda_op.triton_kernels import settings
 
     lengths = [0, 1, 64, 65, 0, 130, 3, 250]
-    T, HV, K, V = sum(lengths), 2, 32, 16
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    gen = torch.Generator().manual_seed(29)
-    q = torch.randn(1, T, 1, K, generator=gen)
-    k = torch.nn.functional.normalize(torch.randn(1, T, 1, K, generator=gen), dim=-1)
-    v = torch.randn(1, T, HV, V, generator=gen)
-    g = torch.randn(1, T, HV, K, generator=gen) if gated else -torch.rand(1, T, HV, K, generator=gen)
-    beta = torch.sigmoid(torch.randn(1, T, HV, generator=gen))
-    gate = (torch.randn(HV, generator=gen), torch.randn(HV * K, generator=gen), -5.0) if gated else None
-    do = torch.randn(1, T, HV, V, generator=gen)
+    cu, (q, k, v, g, beta), gate, do = _packed_problem(lengths, 29, gated, decay=1.0)
     args = [x.to(DEVICE) for x in (q, k, v, g, beta)]
     gate_d = None if gate is None else tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
     want_fwd = _reference_fwd(q, k, v, g, beta, None, None, gate, cu)

@@ -112,3 +112,18 @@ def chunk_in_sequence(i_c, chunk_index, IS_VARLEN: tl.constexpr):
         return tl.load(chunk_index + i_c * 3 + 1)
     else:
         return i_c
+
+
+@triton.jit
+def left_to_the_other_launch(T_c, TILE: tl.constexpr, SKIP_TILED: tl.constexpr):
+    """For a chunk-parallel kernel launched twice for short packed sequences
+    (settings.SHORT_TILE): whether this launch leaves the chunk (``T_c`` rows from
+    its first to the sequence's end, >= 1) to the other one. The launch on tiles of
+    TILE rows takes the chunks of at most TILE rows; the launch at BT, told
+    SKIP_TILED, the others. Neither set (one launch): False."""
+    leave = T_c < 0
+    if TILE > 0:
+        leave = T_c > TILE
+    if SKIP_TILED > 0:
+        leave = T_c <= SKIP_TILED
+    return leave

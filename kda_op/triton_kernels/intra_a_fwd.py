@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored
-from ._indexing import chunk_coords, gam_row
+from ._indexing import chunk_coords, gam_row, left_to_the_other_launch
 
 
 @triton.jit
@@ -123,12 +123,8 @@ def kda_intra_a_fwd_kernel(
             if TILE == 0:
                 tl.store(steep + g_c * HV + i_hv, 0)
             return
-        if TILE > 0:
-            if T > TILE:  # the launch at BT takes it
-                return
-        if SKIP_TILED > 0:
-            if T <= SKIP_TILED:  # the launch at TILE takes it
-                return
+        if left_to_the_other_launch(T, TILE, SKIP_TILED):
+            return
     R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
     tl.static_assert(TILE == 0 or (GAM_IN and IS_VARLEN), "tiles of TILE rows: packed sequences, gam read")
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's

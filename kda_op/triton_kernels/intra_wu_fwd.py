@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
-from ._indexing import chunk_coords, gam_row
+from ._indexing import chunk_coords, gam_row, left_to_the_other_launch
 
 
 @triton.jit
@@ -39,12 +39,8 @@ def kda_intra_wu_fwd_kernel(
     if IS_VARLEN:
         if T <= 0:  # an unused chunk slot (past the last sequence's chunks): nothing to compute
             return
-        if TILE > 0:
-            if T > TILE:  # the launch at BT takes it
-                return
-        if SKIP_TILED > 0:
-            if T <= SKIP_TILED:  # the launch at TILE takes it
-                return
+        if left_to_the_other_launch(T, TILE, SKIP_TILED):
+            return
     R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
     tl.static_assert(TILE == 0 or IS_VARLEN, "tiles of TILE rows: packed sequences")
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
