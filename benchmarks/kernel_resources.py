@@ -102,7 +102,11 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     os.unlink(f.name)
     regs = re.search(r"Used (\d+) registers", report)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    return (f"{fn.__name__:28s} warps {num_warps} stages {num_stages}: regs {regs.group(1) if regs else '?':>3s}, "
+    tiling = "".join(f" {c}={constexprs[c]}" for c in ("TILE", "PICK_TILE") if constexprs.get(c))
+    tiling += "".join(f" {c}=0" for c in ("HAS_H0", "FIRST_UP") if constexprs.get(c, True) is False)
+    tiling += "".join(f" {c}=0" for c in ("QG_FIRST", "KR_LAST", "W_FIRST") if constexprs.get(c, True) is False)
+    tiling += " FIRST_FROM_U" if constexprs.get("FIRST_FROM_U") else ""
+    return (f"{fn.__name__ + tiling:28s} warps {num_warps} stages {num_stages}: regs {regs.group(1) if regs else '?':>3s}, "
             f"spill st/ld {spill.group(1) if spill else '?'}/{spill.group(2) if spill else '?'} B, "
             f"shared {kernel.metadata.shared} B, compile {seconds:.1f} s"), kernel.metadata.shared
 
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
               BF16_DOTS=S.SCAN_BF16_DOTS and args.dtype == "bf16"),
          S.SCAN_FWD_WARPS or S.SCAN_WARPS, s["SCAN_FWD_STAGES"]),
         (output_fwd.kda_output_fwd_kernel,
-         dict(**vl_chunk, qg=op, aqk=aq, up=res, chunk_states=cs, o=x, **ints, slots="*i64"),
+         dict(**vl_chunk, qg=op, aqk=aq, up=res, u=res, chunk_states=cs, o=x, **ints, slots="*i64"),
          dict(common, **varlen, BK=s["BK"], BV=S.BV_OUTPUT or s["BV"], DOT_PREC=prec,
               BF16_DOTS=S.OUTPUT_BF16_DOTS and args.dtype == "bf16"), S.OUTPUT_WARPS, 3),
         (state_bwd.kda_state_bwd_prep_kernel,
@@ -246,10 +250,27 @@ def main(argv: list[str] | None = None) -> int:
               dbeta=x, R="i32", beta_scale="fp32"),
          dict(K=K, G=4, BK=s["BK"], BR=S.PREP_ROWS, BB=4 * S.PREP_ROWS, L2NORM=True, SIGMOID=True), S.PREP_WARPS, 3),
     ]
-    if args.varlen and S.SHORT_TILE:  # short packed sequences' launches on [SHORT_TILE, SHORT_TILE] tiles
-        tiled = [(fn, sig, dict(const, TILE=S.SHORT_TILE), warps, stages) for fn, sig, const, warps, stages in runs
+    if args.varlen and S.SHORT_TILE:
+        # short packed sequences' [SHORT_TILE, SHORT_TILE] tiles: picked per program in
+        # the one launch (SHORT_TILE_LAUNCHES 1), or a launch of their own (2)
+        tiling = dict(PICK_TILE=S.SHORT_TILE) if S.SHORT_TILE_LAUNCHES == 1 else dict(TILE=S.SHORT_TILE)
+        tiled = [(fn, sig, dict(const, **tiling), warps, stages) for fn, sig, const, warps, stages in runs
                  if fn in (intra_a_fwd.kda_intra_a_fwd_kernel, intra_wu_fwd.kda_intra_wu_fwd_kernel)]
         runs += tiled
+    if args.varlen:
+        # packed sequences without initial states, as training launches the scan and the
+        # output (compact chunk states, no final state), and as a forward that keeps
+        # nothing (settings.SKIP_UNREAD_FWD: the first chunks' U' read from U, Qg and Kr left out)
+        for first_up in (True, False) if S.SKIP_UNREAD_FWD else (True,):
+            runs += [(fn, sig, dict(const, HAS_H0=False, COMPACT_STATES=True, STORE_HT=False, FIRST_UP=first_up), warps,
+                      stages) for fn, sig, const, warps, stages in runs if fn is state_fwd.kda_state_fwd_kernel][:1]
+            runs += [(fn, sig, dict(const, HAS_H0=False, FIRST_FROM_U=not first_up), warps, stages)
+                     for fn, sig, const, warps, stages in runs if fn is output_fwd.kda_output_fwd_kernel][:1]
+        if S.SKIP_UNREAD_FWD:  # ... and the intra-chunk kernels without Qg, W of first chunks, Kr of last ones
+            runs += [(fn, sig, dict(const, QG_FIRST=False, KR_LAST=False), warps, stages)
+                     for fn, sig, const, warps, stages in runs if fn is intra_a_fwd.kda_intra_a_fwd_kernel][-1:]
+            runs += [(fn, sig, dict(const, W_FIRST=False), warps, stages)
+                     for fn, sig, const, warps, stages in runs if fn is intra_wu_fwd.kda_intra_wu_fwd_kernel][-1:]
     print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))
     over = []
     for fn, sig, const, warps, stages in runs:

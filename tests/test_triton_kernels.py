@@ -249,11 +249,12 @@ def _packed_problem(lengths, seed, gated, decay):
     return cu, (q, k, v, g, beta), gate, do
 
 
+@pytest.mark.parametrize("launches", [1, 2])
 @pytest.mark.parametrize("gated", [False, True])
-def test_triton_short_tiles_match_full_tiles(gated, monkeypatch):
+def test_triton_short_tiles_match_full_tiles(gated, launches, monkeypatch):
     """Short packed sequences (settings.SHORT_TILE): the chunks of at most 32 rows
-    go through intra_a_fwd and intra_wu_fwd on [32, 32] tiles, in launches of their
-    own; o, the chunk states, every kept intermediate (Tm's and the A's columns past
+    go through intra_a_fwd and intra_wu_fwd on [32, 32] tiles, picked per program
+    in one launch per kernel or in launches of their own (SHORT_TILE_LAUNCHES); o, the chunk states, every kept intermediate (Tm's and the A's columns past
     the tile stored as zeros) and every grad are those of [64, 64] tiles within fp32
     rounding, and match the reference. Lengths at and around 32 and 64, a long one
     whose last chunk is short, an empty one; with fla's bounded gate (block
@@ -273,18 +274,20 @@ def test_triton_short_tiles_match_full_tiles(gated, monkeypatch):
         class Recording:
             def __getitem__(self, grid, kernel=kernel):
                 def launch(*a, **kw):
-                    tiles.append(kw["TILE"])
+                    tiles.append(tuple(kw.get(c, 0) for c in ("TILE", "SKIP_TILED", "PICK_TILE")))
                     return kernel[grid](*a, **kw)
                 return launch
 
         monkeypatch.setattr(fwd, name, Recording())
     results = {}
+    monkeypatch.setattr(settings, "SHORT_TILE_LAUNCHES", launches)
+    tiled = [(0, 0, 32)] * 2 if launches == 1 else [(0, 32, 0)] * 2 + [(32, 0, 0)] * 2
     for tile in (32, 0):
         monkeypatch.setattr(settings, "SHORT_TILE", tile)
         tiles.clear()
         o, _, cs, kept = kda_fwd_triton(*args, None, None, True, gate=gate_d, cu_seqlens=cu_d,
                                         output_final_state=False)
-        assert sorted(tiles) == ([0, 0, 32, 32] if tile else [0, 0]), tiles
+        assert sorted(tiles) == (tiled if tile else [(0, 0, 0)] * 2), tiles
         grads = kda_bwd_triton(*args, None, None, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d)
         grads_recomputed = kda_bwd_triton(*args, None, None, cs, do.to(DEVICE), None, None, gate=gate_d,
                                           cu_seqlens=cu_d)
@@ -298,6 +301,58 @@ def test_triton_short_tiles_match_full_tiles(gated, monkeypatch):
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), results[32][3:11], want_grads):
         if b.numel():
             _rel_close(a, b, name)
+
+
+@pytest.mark.parametrize("with_h0", [False, True])
+@pytest.mark.parametrize("output_final_state", [False, True])
+def test_triton_forward_that_keeps_nothing_skips_what_nothing_reads(output_final_state, with_h0, monkeypatch):
+    """A forward that keeps no intermediates (settings.SKIP_UNREAD_FWD) on packed
+    sequences: without initial states the scan writes no U' for the sequences'
+    first chunks (and for a one-chunk sequence whose state nothing keeps forms
+    none), the output reads U there, intra_wu_fwd stores no W and intra_a_fwd no Qg
+    for first chunks and, without a final state, no Kr for last chunks. o, the final states and the
+    chunk states are bitwise those of the forward that writes everything, and match
+    the reference: one-chunk sequences of 1-64 rows, longer ones, an empty one, with
+    fla's bounded gate; with initial states nothing is left out."""
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+
+    lengths = [1, 64, 0, 130, 33, 65, 7]
+    cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, 41, True, decay=0.2)
+    h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(5)) if with_h0 else None
+    args = [x.to(DEVICE) for x in (q, k, v, g, beta)]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    flags = []
+    for name, keys in (("kda_state_fwd_kernel", ("FIRST_UP",)), ("kda_intra_a_fwd_kernel", ("QG_FIRST", "KR_LAST")),
+                       ("kda_intra_wu_fwd_kernel", ("W_FIRST",))):
+        kernel = getattr(fwd, name)
+
+        class Recording:
+            def __getitem__(self, grid, kernel=kernel, keys=keys):
+                def launch(*a, **kw):
+                    flags.extend((key, kw[key]) for key in keys)
+                    return kernel[grid](*a, **kw)
+                return launch
+
+        monkeypatch.setattr(fwd, name, Recording())
+    results = {}
+    for skip_unread in (1, 0):
+        monkeypatch.setattr(settings, "SKIP_UNREAD_FWD", skip_unread)
+        flags.clear()
+        o, ht, cs, kept = kda_fwd_triton(*args, None, None if h0 is None else h0.to(DEVICE), False, gate=gate_d,
+                                         cu_seqlens=cu.to(DEVICE), output_final_state=output_final_state)
+        skip = bool(skip_unread) and not with_h0
+        assert dict(flags) == dict(FIRST_UP=not skip, QG_FIRST=not skip, KR_LAST=not skip or output_final_state,
+                                   W_FIRST=not skip), flags
+        assert kept.numel() == 0
+        results[skip_unread] = (o, ht, cs)
+    for name, a, b in zip(("o", "ht", "chunk_states"), results[1], results[0]):
+        assert torch.equal(a, b), name
+    want = _reference_fwd(q, k, v, g, beta, None, h0, gate, cu)
+    _rel_close(results[1][0], want[0], "o")
+    _rel_close(results[1][2], want[2], "chunk_states")
+    if output_final_state:
+        _rel_close(results[1][1], want[1], "ht")
 
 
 @pytest.mark.parametrize("T", [2 * CHUNK_SIZE + 7, CHUNK_SIZE + 40])  # 40: a block cut by T
@@ -633,15 +688,17 @@ def test_triton_results_never_show_uninitialised_memory(B, T, H, G, K, V, dtype,
         assert torch.equal(_bytes(a), _bytes(b)), f"result {i} depends on uninitialised memory"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,output_final_state", [(torch.float32, True), (torch.bfloat16, True),
+                                                      (torch.bfloat16, False)])
 @pytest.mark.parametrize("with_h0", [True, False])
-def test_triton_varlen_results_never_show_uninitialised_memory(dtype, with_h0, monkeypatch):
+def test_triton_varlen_results_never_show_uninitialised_memory(dtype, output_final_state, with_h0, monkeypatch):
     """As above for packed sequences with fla's in-kernel gate: the chunk slots past
     the last sequence's chunks (the no-sync bound T // 64 + N) are skipped by the
     chunk-parallel kernels, yet every returned byte (the kept intermediates' steep
     flags, the zeroed chunk-state slots, dA_log / ddt_bias summed over every slot's
     partial sums) and every grad is the same whatever the fresh allocations held;
-    without an initial state dh0 is empty."""
+    without an initial state dh0 is empty. Without a final state too (the forward
+    that keeps nothing then leaves out the last chunks' Kr: SKIP_UNREAD_FWD)."""
     lengths = [1, 64, 5, 130]  # 6 chunks of 7 slots; one of a single row, one full
     T, N, HV, K, V = sum(lengths), len(lengths), 2, 32, 16
     cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)
@@ -661,10 +718,10 @@ def test_triton_varlen_results_never_show_uninitialised_memory(dtype, with_h0, m
         results = []
         for keep in (True, False):
             o, ht, cs, kept = kda_fwd_triton(q, k, v, g, beta, None, h0, keep_intermediates=keep, gate=gate,
-                                             cu_seqlens=cu)
+                                             cu_seqlens=cu, output_final_state=output_final_state)
             rng = torch.Generator().manual_seed(3 + keep)
             do = torch.randn(o.shape, generator=rng).to(DEVICE, o.dtype)
-            dht = torch.randn(ht.shape, generator=rng).to(DEVICE)
+            dht = torch.randn(ht.shape, generator=rng).to(DEVICE) if output_final_state else None
             grads = kda_bwd_triton(q, k, v, g, beta, None, h0, cs, do, dht, kept, gate=gate, cu_seqlens=cu)
             assert (grads[5].shape == (N, HV, K, V)) if with_h0 else grads[5].numel() == 0
             results += [o, ht, cs, kept, *grads]

@@ -45,13 +45,31 @@ def _no_steep_launch(ga: dict) -> bool:
             and (BC // 2) * abs(ga["lower_bound"]) <= MAX_SPLIT - 1)
 
 
+def _tilings(tile: int) -> tuple[dict, ...]:
+    """The tile constexprs of intra_a_fwd's and intra_wu_fwd's launches, one dict per
+    launch: ``tile`` 0, one launch on [BT, BT] tiles; else per
+    settings.SHORT_TILE_LAUNCHES one launch that picks the tile per chunk, or two (the
+    one at BT skipping the chunks of at most ``tile`` rows, and the one that takes them)."""
+    if not tile:
+        return (dict(),)
+    if S.SHORT_TILE_LAUNCHES == 1:
+        return (dict(PICK_TILE=tile),)
+    if S.SHORT_TILE_LAUNCHES == 2:
+        return (dict(SKIP_TILED=tile), dict(TILE=tile))
+    raise ValueError(f"settings.SHORT_TILE_LAUNCHES: expected 1 or 2, got {S.SHORT_TILE_LAUNCHES!r}")
+
+
 def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] = None, traced: bool = False,
-               gate: Optional[tuple] = None):
+               gate: Optional[tuple] = None, qg_first: bool = True, kr_last: bool = True, w_first: bool = True):
     """Stage 1 of the forward (and of the backward's recompute): gam, the A's, Tm
     (when ``store_tm``), W, U, Qg, Kr and the steep flags, into the tensors of
     ``out`` where given (views of the kept intermediates), else fresh ones.
     ``gate``: fla's in-kernel gate (``_host._gate_args``), applied by gam_fwd.py,
-    which then runs whatever INTRA_GAM_KERNEL says."""
+    which then runs whatever INTRA_GAM_KERNEL says. ``qg_first`` / ``w_first`` /
+    ``kr_last`` = False (a forward that keeps nothing): the rows of Qg and W in
+    each sequence's first chunk, of Kr in its last, are not written (where neither
+    the output nor the scan reads them: no initial state; compact chunk states and
+    no final state)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     f32 = dict(device=q.device, dtype=torch.float32)
     prec = _dot_precision(q.dtype)
@@ -90,14 +108,16 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             IS_VARLEN=s["IS_VARLEN"], BC=BC, SPREADS=not row_spreads, num_warps=S.GAM_WARPS,
         )
     # short packed sequences (settings.SHORT_TILE): the chunks of at most SHORT_TILE rows
-    # in launches of their own on smaller tiles, which the launches at BT skip
+    # on smaller tiles, picked per program (SHORT_TILE_LAUNCHES 1) or in launches of
+    # their own that the launches at BT skip (2)
     tile = S.SHORT_TILE if (S.SHORT_TILE and s["SHORT"] and gam_kernel and not traced) else 0
-    for tile_arg, skip_arg in ((0, tile), (tile, 0)) if tile else ((0, 0),):
+    tilings = _tilings(tile)
+    for tiling in tilings:
         _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
             q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
             SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
             NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
-            BKR=min(128, triton.next_power_of_2(K)), TILE=tile_arg, SKIP_TILED=skip_arg,
+            BKR=min(128, triton.next_power_of_2(K)), QG_FIRST=qg_first, KR_LAST=kr_last, **tiling,
             num_warps=S.INTRA_A_FWD_WARPS, **regs,
         )
     if not _no_steep_launch(ga):
@@ -109,13 +129,13 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
         )
     wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS
-    for tile_arg, skip_arg in ((0, tile), (tile, 0)) if tile else ((0, 0),):
+    for tiling in tilings:
         _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
             k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"],
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-            TILE=tile_arg, SKIP_TILED=skip_arg, num_warps=wu_warps,
+            W_FIRST=w_first, **tiling, num_warps=wu_warps,
         )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
@@ -164,28 +184,40 @@ def kda_fwd_triton(
     if s["NSEQ"] * HV == 0:
         return o, ht, chunk_states, intermediates
     prec = _dot_precision(q.dtype)
+    # a forward that keeps nothing writes nothing that no later stage reads
+    # (settings.SKIP_UNREAD_FWD): for packed sequences without initial states the first
+    # chunks' U' is their U, read there by the output kernel rather than copied by the
+    # scan; and the intra-chunk stage leaves out Qg and Kr where nothing reads them
+    unread_skips = bool(S.SKIP_UNREAD_FWD) and not keep_intermediates
+    first_from_u = unread_skips and s["IS_VARLEN"] and h0 is None
     if NC > 0 and T > 0:
         with record_function("kda_op::fwd::intra"):
             kept = _intermediates_views(intermediates, layout) if keep_intermediates else None
-            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept, gate=gate)
+            x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept, gate=gate,
+                           qg_first=not unread_skips or h0 is not None, w_first=not first_from_u,
+                           kr_last=not unread_skips or not s["COMPACT_STATES"] or output_final_state)
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     up = kept["up"] if keep_intermediates and NC > 0 and T > 0 else torch.empty(B, T, HV, V, device=q.device,
                                                                                   dtype=residual_dtype(q.dtype))
     with record_function("kda_op::fwd::state_scan"):
-        _state_scan_fwd(x, h0, up, chunk_states, ht if output_final_state else None, s, prec, traced=False)
+        _state_scan_fwd(x, h0, up, chunk_states, ht if output_final_state else None, s, prec, traced=False,
+                        first_up=not first_from_u)
     if NC > 0 and T > 0:
         with record_function("kda_op::fwd::output"):
-            _output_fwd(x, up, chunk_states, o, s, prec, traced=False, has_h0=h0 is not None)
+            _output_fwd(x, up, chunk_states, o, s, prec, traced=False, has_h0=h0 is not None,
+                        first_from_u=first_from_u)
     return o, ht, chunk_states, intermediates
 
 
 def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Tensor, ht: Optional[Tensor],
-                    s: dict, prec: str, traced: bool, slots: Optional[Tensor] = None, v_first: bool = False) -> None:
+                    s: dict, prec: str, traced: bool, slots: Optional[Tensor] = None, v_first: bool = False,
+                    first_up: bool = True) -> None:
     """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht
     (None: not stored); for packed sequences, zeros into the chunk-state slots past
     the last one's. ``slots``: h0 and ht are one state pool, read and written at
-    those slots."""
+    those slots. ``first_up=False`` (packed sequences, no h0): the rows of each
+    sequence's first chunk in up are not written (the output reads U there)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     ht_or_stand_in = chunk_states if ht is None else ht
     _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
@@ -194,7 +226,7 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
         IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first, COMPACT_STATES=s["COMPACT_STATES"],
-        num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
+        FIRST_UP=first_up, num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
     )
     if s["IS_VARLEN"]:
         row = HV * K * V
@@ -205,17 +237,18 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
 
 
 def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, prec: str, traced: bool,
-                slots: Optional[Tensor] = None, has_h0: bool = True) -> None:
+                slots: Optional[Tensor] = None, has_h0: bool = True, first_from_u: bool = False) -> None:
     """Stage 3: the output (output_fwd.py) into o; ``slots``: zeros for the
     sequences whose pool slot is negative (padding); ``has_h0``: False where no
-    sequence has an initial state (the first chunks' zero states are not read)."""
+    sequence has an initial state (the first chunks' zero states are not read);
+    ``first_from_u``: the first chunks' U' read from U (the scan's first_up=False)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     bv_out = S.BV_OUTPUT or s["BV"]
     _kernel(kda_output_fwd_kernel, traced)[(triton.cdiv(V, bv_out), NC, B * HV)](
-        x["qg"], x["aqk"], up, chunk_states, o, *s["VL_CHUNK"], T, NC, s["H"], HV, o if slots is None else slots,
+        x["qg"], x["aqk"], up, x["u"], chunk_states, o, *s["VL_CHUNK"], T, NC, s["H"], HV, o if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
         DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-        POOL=slots is not None, HAS_H0=has_h0 or slots is not None,
+        POOL=slots is not None, HAS_H0=has_h0 or slots is not None, FIRST_FROM_U=first_from_u,
         num_warps=S.OUTPUT_WARPS,
     )
 

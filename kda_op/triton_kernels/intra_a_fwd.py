@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored
-from ._indexing import chunk_coords, gam_row, left_to_the_other_launch
+from ._indexing import chunk_coords, chunk_in_sequence, gam_row, left_to_the_other_launch
 
 
 @triton.jit
@@ -86,12 +86,20 @@ def kda_intra_a_fwd_kernel(
     IS_VARLEN: tl.constexpr = False, NKB: tl.constexpr = 1,
     BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16, ROW_SPREADS: tl.constexpr = False,
     BKR: tl.constexpr = 64, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
+    PICK_TILE: tl.constexpr = 0, QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True,
 ):
     # TILE (packed sequences, with GAM_IN): a launch for the chunks of at most TILE rows
     # (half a chunk), on [TILE, TILE] tiles instead of [BT, BT]; its programs return at
     # once for longer chunks, and the launch at BT skips the chunks of at most
     # SKIP_TILED rows. The same values (rows and columns past a chunk's end are zero in
-    # either; the A rows' columns past TILE are stored as zeros).
+    # either; the A rows' columns past TILE are stored as zeros). PICK_TILE (instead of
+    # the two launches): one launch whose programs take their chunk on [PICK_TILE,
+    # PICK_TILE] tiles where it has at most PICK_TILE rows, else on [BT, BT]; no program
+    # only returns.
+    # QG_FIRST / KR_LAST = False (a forward that keeps nothing, where nothing reads them):
+    # no Qg for a sequence's first chunk (no initial state: the output skips Qg S0
+    # there), no Kr for its last chunk (the scan forms no state leaving it: compact
+    # chunk states, no final state).
     # GAM_IN: gam was written by gam_fwd.py (settings.INTRA_GAM_KERNEL): read here,
     # with its middle and last rows as vector loads, and not stored again.
     # gam_fwd.py (GAM_IN) also wrote how far gam strays from the
@@ -125,8 +133,8 @@ def kda_intra_a_fwd_kernel(
             return
         if left_to_the_other_launch(T, TILE, SKIP_TILED):
             return
-    R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
-    tl.static_assert(TILE == 0 or (GAM_IN and IS_VARLEN), "tiles of TILE rows: packed sequences, gam read")
+    tl.static_assert((TILE == 0 and PICK_TILE == 0) or (GAM_IN and IS_VARLEN),
+                     "tiles of TILE rows: packed sequences, gam read")
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     q += (bos * H + i_h) * K
@@ -137,7 +145,38 @@ def kda_intra_a_fwd_kernel(
     aqk += (bos * HV + i_hv) * BT
     qg += (bos * HV + i_hv) * K
     kr += (bos * HV + i_hv) * K
+    steep += g_c * HV + i_hv
+    spreads += (g_c * HV + i_hv) * (NKB * 2)  # gam_fwd's spreads of this chunk (GAM_IN, not ROW_SPREADS)
+    store_qg = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | QG_FIRST
+    store_kr = (T > BT) | KR_LAST
+    if PICK_TILE > 0:
+        if T <= PICK_TILE:
+            _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
+                     K, BT, PICK_TILE, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
+                     ROW_SPREADS, BKR)
+        else:
+            _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
+                     K, BT, BT, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
+                     ROW_SPREADS, BKR)
+    else:
+        R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
+        _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
+                 K, BT, R, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
+                 ROW_SPREADS, BKR)
 
+
+@triton.jit
+def _a_chunk(
+    q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
+    K: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, BKA: tl.constexpr,
+    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr,
+    GAM_IN: tl.constexpr, INTERPRET: tl.constexpr, NKB: tl.constexpr,
+    BLOCK_REFS: tl.constexpr, BC: tl.constexpr, ROW_SPREADS: tl.constexpr, BKR: tl.constexpr,
+):
+    """One chunk's gam (without GAM_IN), A's, steep flag, Qg and Kr on [R, R] tiles
+    (R = BT, or a short chunk's tile). The pointers are at the chunk's first row and
+    this head (spreads and steep at the chunk's entries), T its rows; Qg and Kr
+    stored where ``store_qg`` / ``store_kr``."""
     o_r = tl.arange(0, R)
     o_t = o_r
     m_t = o_t < T
@@ -176,7 +215,7 @@ def kda_intra_a_fwd_kernel(
         block_spread = tl.max(tl.reshape(b_bspread, (NB * BKR,)), 0)
         chunk_spread = tl.max(b_cspread, 0)
     elif GAM_IN:
-        p_sp = spreads + (g_c * HV + i_hv) * (NKB * 2)
+        p_sp = spreads
         chunk_spread = tl.load(p_sp)
         block_spread = tl.load(p_sp + 1)
         for i_kb in tl.static_range(1, NKB):
@@ -210,9 +249,11 @@ def kda_intra_a_fwd_kernel(
                 spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_dmid), 1), 0))
         b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
-        tl.store(kr + p_tk, as_stored(b_k * tl.exp(b_glast[None, :] - b_gam), kr, INTERPRET).to(kr.dtype.element_ty),
-                 mask=m_tk)
+        if store_qg:
+            tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
+        if store_kr:
+            tl.store(kr + p_tk, as_stored(b_k * tl.exp(b_glast[None, :] - b_gam), kr,
+                                          INTERPRET).to(kr.dtype.element_ty), mask=m_tk)
         if GAM_IN:
             if mode == 0:
                 b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
@@ -227,7 +268,7 @@ def kda_intra_a_fwd_kernel(
         mode = tl.where(spread > MAX_SPLIT, 2, 0)
 
     # 0 or 1: the A's are formed here; 2: by the steep launch (any nonzero: the backward's steep path)
-    tl.store(steep + g_c * HV + i_hv, mode.to(tl.int32))
+    tl.store(steep, mode.to(tl.int32))
     if mode < 2:
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
         tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
-from ._indexing import chunk_coords, gam_row, left_to_the_other_launch
+from ._indexing import chunk_coords, chunk_in_sequence, gam_row, left_to_the_other_launch
 
 
 @triton.jit
@@ -27,10 +27,13 @@ def kda_intra_wu_fwd_kernel(
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
+    PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True,
 ):
-    # TILE / SKIP_TILED: as in intra_a_fwd.py (a launch on [TILE, TILE] tiles for the
-    # chunks of at most TILE rows; the launch at BT skips those); Tm's columns past the
-    # tile are stored as zeros.
+    # TILE / SKIP_TILED / PICK_TILE: as in intra_a_fwd.py (the chunks of at most TILE
+    # rows on [TILE, TILE] tiles, in a launch of their own or, PICK_TILE, in this one);
+    # Tm's columns past the tile are stored as zeros.
+    # W_FIRST = False (a forward that keeps nothing, no initial state): no W for a
+    # sequence's first chunk, which the scan does not read (U' = U there).
     # BF16_DOTS (bf16 inputs): W and U from Tm and their right-hand sides rounded to
     # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
     i_c = tl.program_id(0)
@@ -41,8 +44,7 @@ def kda_intra_wu_fwd_kernel(
             return
         if left_to_the_other_launch(T, TILE, SKIP_TILED):
             return
-    R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
-    tl.static_assert(TILE == 0 or IS_VARLEN, "tiles of TILE rows: packed sequences")
+    tl.static_assert((TILE == 0 and PICK_TILE == 0) or IS_VARLEN, "tiles of TILE rows: packed sequences")
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     k += (bos * H + i_h) * K
@@ -53,7 +55,30 @@ def kda_intra_wu_fwd_kernel(
     gam += (bos * HV + i_hv) * K
     akk += (bos * HV + i_hv) * BT
     tm += (bos * HV + i_hv) * BT
+    store_w = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | W_FIRST
+    if PICK_TILE > 0:
+        if T <= PICK_TILE:
+            _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, PICK_TILE,
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
+        else:
+            _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, BT,
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
+    else:
+        R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
+        _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, R,
+                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
 
+
+@triton.jit
+def _wu_chunk(
+    k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV,
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    R: tl.constexpr, STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
+    BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One chunk's Tm, W and U on [R, R] tiles (R = BT, or a short chunk's tile);
+    the pointers are at the chunk's first row and this head, T its rows; W stored
+    where ``store_w``."""
     o_r = tl.arange(0, R)
     o_t = o_r
     m_t = o_t < T
@@ -112,8 +137,9 @@ def kda_intra_wu_fwd_kernel(
     # gam is reloaded rather than kept live through the inverse (register pressure).
     b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
     b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
+    # (a masked store, not a branch around W: the branch doubled the spills, sm_90a)
     tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
-             mask=m_t[:, None] & m_k[None, :])
+             mask=(m_t & ((o_t * 0 + store_w.to(tl.int32)) > 0))[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V

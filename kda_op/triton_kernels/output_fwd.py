@@ -14,7 +14,7 @@ from ._indexing import chunk_coords, chunk_in_sequence
 
 @triton.jit
 def kda_output_fwd_kernel(
-    qg, aqk, up, chunk_states,
+    qg, aqk, up, u, chunk_states,
     o,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
@@ -25,7 +25,11 @@ def kda_output_fwd_kernel(
     DOT_PREC: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, HAS_H0: tl.constexpr = True,
+    FIRST_FROM_U: tl.constexpr = False,
 ):
+    # FIRST_FROM_U (packed sequences without initial states): a sequence's first chunk
+    # reads U, which is its U' (S0 = 0), where the scan did not write U' (state_fwd's
+    # FIRST_UP = False).
     # BF16_DOTS (bf16 Qg only): S0, A_qk and U' enter the dots rounded to bf16 (fp32
     # accumulation), the precision of the bf16 output they make.
     # The V block varies fastest over the grid: the blocks of one chunk run side by
@@ -42,6 +46,7 @@ def kda_output_fwd_kernel(
     qg += (bos * HV + i_hv) * K
     aqk += (bos * HV + i_hv) * BT
     up += (bos * HV + i_hv) * V
+    u += (bos * HV + i_hv) * V
     o += (bos * HV + i_hv) * V
     chunk_states += (s_c * HV + i_hv) * K * V
 
@@ -56,10 +61,18 @@ def kda_output_fwd_kernel(
     b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0)
     row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
-    b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    later = chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0
+    tl.static_assert(not (FIRST_FROM_U and HAS_H0), "U is U' only where S0 = 0")
+    if FIRST_FROM_U:
+        if later:
+            b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+        else:
+            b_up = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+    else:
+        b_up = tl.load(up + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
     b_o = dot(b_a, b_up, BF16_DOTS, DOT_PREC, INTERPRET)
     # Qg S0, but for a sequence's first chunk without an initial state (S0 = 0: not read)
-    if (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | HAS_H0:
+    if later | HAS_H0:
         b_qg = tl.load(qg + (o_t[:, None]) * (HV * K) + o_k[None, :],
                        mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_s0 = tl.load(chunk_states + o_k[:, None] * V + o_v[None, :],

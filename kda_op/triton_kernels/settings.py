@@ -210,6 +210,24 @@ SHORT_SEQ_CHUNKS = 2
 # forward 6.719 -> 6.385 ms (fla 5.606), forward+backward 22.475 -> 22.109; varlen-mixed
 # (not short) the same.
 SHORT_TILE = 32
+# ... in one launch per kernel whose programs pick the tile by their chunk's rows
+# (1), or in launches of their own (2: the launches at BT skip those chunks, and
+# each launch's programs for the others' chunks only return; sm_90a registers and
+# occupancy are those of the [BT, BT] path either way: intra_a_fwd 168 registers at
+# four warps, intra_wu_fwd 255 at two). Untimed (written without a device, the
+# fifteenth session): the two launches were timed (above).
+SHORT_TILE_LAUNCHES = 1
+# A forward that keeps no intermediates (inference, or a forward under no_grad)
+# writes nothing that no later stage of it reads: 1 = for packed sequences without
+# initial states the output kernel reads each sequence's first chunk's U' from U
+# (the same values: S0 = 0 there), so the scan does not copy U to U' there (nor,
+# for a one-chunk sequence whose state nothing keeps, load Kr or form the state);
+# intra_wu_fwd stores no W there (the scan reads none: U' = U) and intra_a_fwd no
+# Qg for first chunks without an initial state (the output skips Qg S0 there) and,
+# with compact chunk states and no final state, no Kr for last chunks. At 2048
+# packed sequences of 1-64 tokens (every one a single chunk) that leaves out U', W,
+# Qg and Kr whole (about 1.1 GB of bf16 writes; state_fwd took 1.10 ms, H200). Untimed (the fifteenth session, without a device).
+SKIP_UNREAD_FWD = 1
 # The backward's dS_C buffer (bf16 or fp32 [slots, HV, K, V], live at the backward's
 # peak) for packed sequences without dh0 and dht (training): 1 = each sequence one slot
 # fewer than its chunks (chunk c's Qg^T dO put in chunk c - 1's slot), T // 64 slots in

@@ -28,11 +28,13 @@ def kda_state_fwd_kernel(
     HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr, STORE_HT: tl.constexpr = True,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, V_FIRST: tl.constexpr = False,
-    COMPACT_STATES: tl.constexpr = False,
+    COMPACT_STATES: tl.constexpr = False, FIRST_UP: tl.constexpr = True,
 ):
     # COMPACT_STATES (packed sequences without initial states; _indexing.py): the zero
     # state entering a sequence's first chunk and its final state are not stored in
     # chunk_states (the final one goes to ht only, when STORE_HT).
+    # FIRST_UP = False (packed sequences without initial states, U' not kept): the first
+    # chunks' U' (= U) is not written; the output kernel reads U there (its FIRST_FROM_U).
     # POOL: prefill into a state pool [num_slots, HV, K, V] ([.., V, K] with
     # V_FIRST) in place: sequence i_b starts from slot slots[i_b] and leaves its
     # final state there; a negative slot reads zeros and writes nothing. Each
@@ -89,15 +91,26 @@ def kda_state_fwd_kernel(
     # equal-length batches, whose loop it would lengthen for the one chunk in NC it saves.
     PEEL: tl.constexpr = IS_VARLEN and not HAS_H0
     tl.static_assert(PEEL or not COMPACT_STATES, "the compact layout has no slot for a first chunk's state")
+    tl.static_assert(PEEL or FIRST_UP, "U' of first chunks not written: packed sequences without initial states")
     if PEEL:
+        # the state after the first chunk is not wanted by a one-chunk sequence when
+        # neither chunk_states nor ht keeps it: then neither Kr nor the dot is needed
+        # (one-chunk sequences: every one at 2048 packed sequences of 1-64 tokens)
+        if COMPACT_STATES and not STORE_HT:
+            wants_state = NC > 1
+        else:
+            wants_state = NC > 0
         if NC > 0:
             if not COMPACT_STATES:
                 tl.store(chunk_states + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
-            m_t = o_r < T
-            b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-            b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
-            tl.store(up + row_v, as_stored(b_u, up, INTERPRET), mask=m_t[:, None] & m_v[None, :])
-            b_s = dot(tl.trans(b_kr), b_u, BF16_DOTS, DOT_PREC, INTERPRET)
+            if FIRST_UP or wants_state:
+                m_t = o_r < T
+                b_u = tl.load(u + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+                if FIRST_UP:
+                    tl.store(up + row_v, as_stored(b_u, up, INTERPRET), mask=m_t[:, None] & m_v[None, :])
+                if wants_state:
+                    b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+                    b_s = dot(tl.trans(b_kr), b_u, BF16_DOTS, DOT_PREC, INTERPRET)
     for i_c in range(1 if PEEL else 0, NC):
         tl.store(chunk_states + i_c * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
         r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
