@@ -132,14 +132,17 @@ def _wu_chunk(
             tl.store(tm + (o_t[:, None]) * (HV * BT) + o_z[None, :], tl.zeros([R, BT - R], dtype=tl.float32),
                      mask=m_t[:, None])
 
+    # W masked off where it is not stored (store_w): neither K nor gam is read there
+    # (masks rather than a branch around W: the branch doubled the spills, sm_90a)
+    m_sw = (o_t * 0 + store_w.to(tl.int32)) > 0
     b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
-                  mask=m_t[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+                  mask=(m_t & m_sw)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
     # gam is reloaded rather than kept live through the inverse (register pressure).
-    b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+    b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :], mask=m_sw[:, None] & m_k[None, :],
+                    other=0.0)
     b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
-    # (a masked store, not a branch around W: the branch doubled the spills, sm_90a)
     tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
-             mask=(m_t & ((o_t * 0 + store_w.to(tl.int32)) > 0))[:, None] & m_k[None, :])
+             mask=(m_t & m_sw)[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V
