@@ -250,27 +250,27 @@ def main(argv: list[str] | None = None) -> int:
               dbeta=x, R="i32", beta_scale="fp32"),
          dict(K=K, G=4, BK=s["BK"], BR=S.PREP_ROWS, BB=4 * S.PREP_ROWS, L2NORM=True, SIGMOID=True), S.PREP_WARPS, 3),
     ]
-    if args.varlen and S.SHORT_TILE:
-        # short packed sequences' [SHORT_TILE, SHORT_TILE] tiles: picked per program in
-        # the one launch (SHORT_TILE_LAUNCHES 1), or a launch of their own (2)
-        tiling = dict(PICK_TILE=S.SHORT_TILE) if S.SHORT_TILE_LAUNCHES == 1 else dict(TILE=S.SHORT_TILE)
-        tiled = [(fn, sig, dict(const, **tiling), warps, stages) for fn, sig, const, warps, stages in runs
-                 if fn in (intra_a_fwd.kda_intra_a_fwd_kernel, intra_wu_fwd.kda_intra_wu_fwd_kernel)]
-        runs += tiled
     if args.varlen:
+        # short packed sequences' [SHORT_TILE, SHORT_TILE] tiles: in a launch of their own
+        # (settings.SHORT_TILE_LAUNCHES 2), or picked per program in the one launch (1)
+        tile = S.SHORT_TILE or 32
+        intra = [r for r in runs if r[0] in (intra_a_fwd.kda_intra_a_fwd_kernel, intra_wu_fwd.kda_intra_wu_fwd_kernel)]
+        runs += [(fn, sig, dict(const, **tiling), warps, stages) for fn, sig, const, warps, stages in intra
+                 for tiling in (dict(TILE=tile), dict(PICK_TILE=tile))]
         # packed sequences without initial states, as training launches the scan and the
         # output (compact chunk states, no final state), and as a forward that keeps
-        # nothing (settings.SKIP_UNREAD_FWD: the first chunks' U' read from U, Qg and Kr left out)
-        for first_up in (True, False) if S.SKIP_UNREAD_FWD else (True,):
-            runs += [(fn, sig, dict(const, HAS_H0=False, COMPACT_STATES=True, STORE_HT=False, FIRST_UP=first_up), warps,
-                      stages) for fn, sig, const, warps, stages in runs if fn is state_fwd.kda_state_fwd_kernel][:1]
-            runs += [(fn, sig, dict(const, HAS_H0=False, FIRST_FROM_U=not first_up), warps, stages)
-                     for fn, sig, const, warps, stages in runs if fn is output_fwd.kda_output_fwd_kernel][:1]
-        if S.SKIP_UNREAD_FWD:  # ... and the intra-chunk kernels without Qg, W of first chunks, Kr of last ones
-            runs += [(fn, sig, dict(const, QG_FIRST=False, KR_LAST=False), warps, stages)
-                     for fn, sig, const, warps, stages in runs if fn is intra_a_fwd.kda_intra_a_fwd_kernel][-1:]
-            runs += [(fn, sig, dict(const, W_FIRST=False), warps, stages)
-                     for fn, sig, const, warps, stages in runs if fn is intra_wu_fwd.kda_intra_wu_fwd_kernel][-1:]
+        # nothing (settings.SKIP_UNREAD_FWD: the first chunks' U' read from U; Qg and W
+        # of first chunks, Kr of last ones left out)
+        scan = [r for r in runs if r[0] is state_fwd.kda_state_fwd_kernel][0]
+        output = [r for r in runs if r[0] is output_fwd.kda_output_fwd_kernel][0]
+        for first_up in (True, False):
+            runs.append((scan[0], scan[1], dict(scan[2], HAS_H0=False, COMPACT_STATES=True, STORE_HT=False,
+                                                FIRST_UP=first_up), *scan[3:]))
+            runs.append((output[0], output[1], dict(output[2], HAS_H0=False, FIRST_FROM_U=not first_up), *output[3:]))
+        for fn, sig, const, warps, stages in intra:
+            skips = dict(QG_FIRST=False, KR_LAST=False) if fn is intra_a_fwd.kda_intra_a_fwd_kernel else dict(W_FIRST=False)
+            if fn is intra_a_fwd.kda_intra_a_fwd_kernel or not const["STORE_TM"]:  # (the forward that keeps nothing)
+                runs.append((fn, sig, dict(const, PICK_TILE=tile, **skips), warps, stages))
     print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))
     over = []
     for fn, sig, const, warps, stages in runs:

@@ -210,13 +210,14 @@ SHORT_SEQ_CHUNKS = 2
 # forward 6.719 -> 6.385 ms (fla 5.606), forward+backward 22.475 -> 22.109; varlen-mixed
 # (not short) the same.
 SHORT_TILE = 32
-# ... in one launch per kernel whose programs pick the tile by their chunk's rows
-# (1), or in launches of their own (2: the launches at BT skip those chunks, and
-# each launch's programs for the others' chunks only return; sm_90a registers and
-# occupancy are those of the [BT, BT] path either way: intra_a_fwd 168 registers at
-# four warps, intra_wu_fwd 255 at two). Untimed (written without a device, the
-# fifteenth session): the two launches were timed (above).
-SHORT_TILE_LAUNCHES = 1
+# ... in launches of their own (2: the launches at BT skip those chunks, and each
+# launch's programs for the other's chunks only return), or in one launch per
+# kernel whose programs pick the tile by their chunk's rows (1: no program only
+# returns; sm_90a registers and occupancy are those of the [BT, BT] path either
+# way, intra_a_fwd 168 registers at four warps, intra_wu_fwd 255 at two). 1 was
+# written in the fifteenth session without a device: interpreter-tested, compiled
+# for sm_90a, neither run nor timed on the GPU yet, so 2 (timed above) stays.
+SHORT_TILE_LAUNCHES = 2
 # A forward that keeps no intermediates (inference, or a forward under no_grad)
 # writes nothing that no later stage of it reads: 1 = for packed sequences without
 # initial states the output kernel reads each sequence's first chunk's U' from U
@@ -226,8 +227,10 @@ SHORT_TILE_LAUNCHES = 1
 # Qg for first chunks without an initial state (the output skips Qg S0 there) and,
 # with compact chunk states and no final state, no Kr for last chunks. At 2048
 # packed sequences of 1-64 tokens (every one a single chunk) that leaves out U', W,
-# Qg and Kr whole (about 1.1 GB of bf16 writes; state_fwd took 1.10 ms, H200). Untimed (the fifteenth session, without a device).
-SKIP_UNREAD_FWD = 1
+# Qg and Kr whole (about 1.1 GB of bf16 writes; state_fwd took 1.10 ms, H200).
+# Written in the fifteenth session without a device: interpreter-tested, compiled
+# for sm_90a, neither run nor timed on the GPU yet: off until it is.
+SKIP_UNREAD_FWD = 0
 # The backward's dS_C buffer (bf16 or fp32 [slots, HV, K, V], live at the backward's
 # peak) for packed sequences without dh0 and dht (training): 1 = each sequence one slot
 # fewer than its chunks (chunk c's Qg^T dO put in chunk c - 1's slot), T // 64 slots in
