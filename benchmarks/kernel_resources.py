@@ -105,7 +105,7 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     tiling = "".join(f" {c}={constexprs[c]}" for c in ("TILE", "PICK_TILE") if constexprs.get(c))
     tiling += "".join(f" {c}=0" for c in ("HAS_H0", "FIRST_UP") if constexprs.get(c, True) is False)
     tiling += "".join(f" {c}=0" for c in ("QG_FIRST", "KR_LAST", "W_FIRST") if constexprs.get(c, True) is False)
-    tiling += " FIRST_FROM_U" if constexprs.get("FIRST_FROM_U") else ""
+    tiling += "".join(f" {c}" for c in ("FIRST_FROM_U", "SKIP_UNKEPT_STATE") if constexprs.get(c))
     return (f"{fn.__name__ + tiling:28s} warps {num_warps} stages {num_stages}: regs {regs.group(1) if regs else '?':>3s}, "
             f"spill st/ld {spill.group(1) if spill else '?'}/{spill.group(2) if spill else '?'} B, "
             f"shared {kernel.metadata.shared} B, compile {seconds:.1f} s"), kernel.metadata.shared
@@ -259,14 +259,16 @@ def main(argv: list[str] | None = None) -> int:
                  for tiling in (dict(TILE=tile), dict(PICK_TILE=tile))]
         # packed sequences without initial states, as training launches the scan and the
         # output (compact chunk states, no final state), and as a forward that keeps
-        # nothing (settings.SKIP_UNREAD_FWD: the first chunks' U' read from U; Qg and W
+        # nothing (settings.SKIP_UNREAD: the first chunks' U' read from U; Qg and W
         # of first chunks, Kr of last ones left out)
         scan = [r for r in runs if r[0] is state_fwd.kda_state_fwd_kernel][0]
         output = [r for r in runs if r[0] is output_fwd.kda_output_fwd_kernel][0]
-        for first_up in (True, False):
+        for first_up, skip in ((True, False), (True, True), (False, True)):
             runs.append((scan[0], scan[1], dict(scan[2], HAS_H0=False, COMPACT_STATES=True, STORE_HT=False,
-                                                FIRST_UP=first_up), *scan[3:]))
-            runs.append((output[0], output[1], dict(output[2], HAS_H0=False, FIRST_FROM_U=not first_up), *output[3:]))
+                                                FIRST_UP=first_up, SKIP_UNKEPT_STATE=skip), *scan[3:]))
+            if skip:
+                runs.append((output[0], output[1], dict(output[2], HAS_H0=False, FIRST_FROM_U=not first_up),
+                             *output[3:]))
         for fn, sig, const, warps, stages in intra:
             skips = dict(QG_FIRST=False, KR_LAST=False) if fn is intra_a_fwd.kda_intra_a_fwd_kernel else dict(W_FIRST=False)
             if fn is intra_a_fwd.kda_intra_a_fwd_kernel or not const["STORE_TM"]:  # (the forward that keeps nothing)

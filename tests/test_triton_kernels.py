@@ -305,26 +305,29 @@ def test_triton_short_tiles_match_full_tiles(gated, launches, monkeypatch):
 
 @pytest.mark.parametrize("with_h0", [False, True])
 @pytest.mark.parametrize("output_final_state", [False, True])
-def test_triton_forward_that_keeps_nothing_skips_what_nothing_reads(output_final_state, with_h0, monkeypatch):
-    """A forward that keeps no intermediates (settings.SKIP_UNREAD_FWD) on packed
-    sequences: without initial states the scan writes no U' for the sequences'
-    first chunks (and for a one-chunk sequence whose state nothing keeps forms
-    none), the output reads U there, intra_wu_fwd stores no W and intra_a_fwd no Qg
-    for first chunks and, without a final state, no Kr for last chunks. o, the final states and the
-    chunk states are bitwise those of the forward that writes everything, and match
-    the reference: one-chunk sequences of 1-64 rows, longer ones, an empty one, with
-    fla's bounded gate; with initial states nothing is left out."""
-    from kda_op.ops import _reference_fwd
+def test_triton_forward_forms_nothing_that_nothing_reads(output_final_state, with_h0, monkeypatch):
+    """settings.SKIP_UNREAD on packed sequences: a one-chunk sequence whose leaving
+    state nothing keeps forms none; and a forward that keeps no intermediates,
+    without initial states, writes no U' for the sequences' first chunks (the output
+    reads U there), intra_wu_fwd no W and intra_a_fwd no Qg there and, without a
+    final state, no Kr for last chunks. o, the final states, the chunk states and
+    (forward keeping its intermediates, then the backward) the kept buffer and every
+    grad are bitwise those with nothing left out, and match the reference: one-chunk
+    sequences of 1-64 rows, longer ones, an empty one, with fla's bounded gate;
+    with initial states the forward that keeps nothing leaves nothing out."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import fwd, settings
 
     lengths = [1, 64, 0, 130, 33, 65, 7]
-    cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, 41, True, decay=0.2)
+    cu, (q, k, v, g, beta), gate, do = _packed_problem(lengths, 41, True, decay=0.2)
     h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(5)) if with_h0 else None
-    args = [x.to(DEVICE) for x in (q, k, v, g, beta)]
+    args = [x.to(DEVICE) for x in (q, k, v, g, beta)] + [None, None if h0 is None else h0.to(DEVICE)]
     gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d = cu.to(DEVICE)
+    dht = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     flags = []
-    for name, keys in (("kda_state_fwd_kernel", ("FIRST_UP",)), ("kda_intra_a_fwd_kernel", ("QG_FIRST", "KR_LAST")),
-                       ("kda_intra_wu_fwd_kernel", ("W_FIRST",))):
+    for name, keys in (("kda_state_fwd_kernel", ("FIRST_UP", "SKIP_UNKEPT_STATE")),
+                       ("kda_intra_a_fwd_kernel", ("QG_FIRST", "KR_LAST")), ("kda_intra_wu_fwd_kernel", ("W_FIRST",))):
         kernel = getattr(fwd, name)
 
         class Recording:
@@ -337,22 +340,32 @@ def test_triton_forward_that_keeps_nothing_skips_what_nothing_reads(output_final
         monkeypatch.setattr(fwd, name, Recording())
     results = {}
     for skip_unread in (1, 0):
-        monkeypatch.setattr(settings, "SKIP_UNREAD_FWD", skip_unread)
+        monkeypatch.setattr(settings, "SKIP_UNREAD", skip_unread)
         flags.clear()
-        o, ht, cs, kept = kda_fwd_triton(*args, None, None if h0 is None else h0.to(DEVICE), False, gate=gate_d,
-                                         cu_seqlens=cu.to(DEVICE), output_final_state=output_final_state)
+        o, ht, cs, kept = kda_fwd_triton(*args, False, gate=gate_d, cu_seqlens=cu_d,
+                                         output_final_state=output_final_state)
         skip = bool(skip_unread) and not with_h0
-        assert dict(flags) == dict(FIRST_UP=not skip, QG_FIRST=not skip, KR_LAST=not skip or output_final_state,
-                                   W_FIRST=not skip), flags
+        assert dict(flags) == dict(FIRST_UP=not skip, SKIP_UNKEPT_STATE=bool(skip_unread), QG_FIRST=not skip,
+                                   KR_LAST=not skip or output_final_state, W_FIRST=not skip), flags
         assert kept.numel() == 0
-        results[skip_unread] = (o, ht, cs)
-    for name, a, b in zip(("o", "ht", "chunk_states"), results[1], results[0]):
-        assert torch.equal(a, b), name
+        # as training runs it: the intermediates kept, then the backward from them
+        o_k, ht_k, cs_k, kept_k = kda_fwd_triton(*args, True, gate=gate_d, cu_seqlens=cu_d,
+                                                 output_final_state=output_final_state)
+        grads = kda_bwd_triton(*args, cs_k, do.to(DEVICE), dht if output_final_state else None, kept_k,
+                               gate=gate_d, cu_seqlens=cu_d)
+        results[skip_unread] = (o, ht, cs, o_k, ht_k, cs_k, kept_k, *grads)
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert torch.equal(a, b), i
     want = _reference_fwd(q, k, v, g, beta, None, h0, gate, cu)
     _rel_close(results[1][0], want[0], "o")
     _rel_close(results[1][2], want[2], "chunk_states")
     if output_final_state:
         _rel_close(results[1][1], want[1], "ht")
+    want_grads = _reference_bwd(q, k, v, g, beta, None, h0, want[2], do, dht.cpu() if output_final_state else None,
+                                gate, cu)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), results[1][7:], want_grads):
+        if b.numel():
+            _rel_close(a, b, name)
 
 
 @pytest.mark.parametrize("T", [2 * CHUNK_SIZE + 7, CHUNK_SIZE + 40])  # 40: a block cut by T
@@ -698,7 +711,7 @@ def test_triton_varlen_results_never_show_uninitialised_memory(dtype, output_fin
     flags, the zeroed chunk-state slots, dA_log / ddt_bias summed over every slot's
     partial sums) and every grad is the same whatever the fresh allocations held;
     without an initial state dh0 is empty. Without a final state too (the forward
-    that keeps nothing then leaves out the last chunks' Kr: SKIP_UNREAD_FWD)."""
+    that keeps nothing then leaves out the last chunks' Kr: SKIP_UNREAD)."""
     lengths = [1, 64, 5, 130]  # 6 chunks of 7 slots; one of a single row, one full
     T, N, HV, K, V = sum(lengths), len(lengths), 2, 32, 16
     cu = torch.tensor([0] + lengths).cumsum(0).to(DEVICE)

@@ -184,11 +184,12 @@ def kda_fwd_triton(
     if s["NSEQ"] * HV == 0:
         return o, ht, chunk_states, intermediates
     prec = _dot_precision(q.dtype)
-    # a forward that keeps nothing writes nothing that no later stage reads
-    # (settings.SKIP_UNREAD_FWD): for packed sequences without initial states the first
-    # chunks' U' is their U, read there by the output kernel rather than copied by the
-    # scan; and the intra-chunk stage leaves out Qg and Kr where nothing reads them
-    unread_skips = bool(S.SKIP_UNREAD_FWD) and not keep_intermediates
+    # the forward forms nothing that nothing reads (settings.SKIP_UNREAD): a one-chunk
+    # sequence's leaving state that nothing keeps; and where it keeps nothing, for
+    # packed sequences without initial states, the first chunks' U' (their U, read
+    # there by the output kernel rather than copied by the scan), and the intra-chunk
+    # stage's Qg, W and Kr where nothing reads them
+    unread_skips = bool(S.SKIP_UNREAD) and not keep_intermediates
     first_from_u = unread_skips and s["IS_VARLEN"] and h0 is None
     if NC > 0 and T > 0:
         with record_function("kda_op::fwd::intra"):
@@ -202,7 +203,7 @@ def kda_fwd_triton(
                                                                                   dtype=residual_dtype(q.dtype))
     with record_function("kda_op::fwd::state_scan"):
         _state_scan_fwd(x, h0, up, chunk_states, ht if output_final_state else None, s, prec, traced=False,
-                        first_up=not first_from_u)
+                        first_up=not first_from_u, skip_unkept_state=bool(S.SKIP_UNREAD))
     if NC > 0 and T > 0:
         with record_function("kda_op::fwd::output"):
             _output_fwd(x, up, chunk_states, o, s, prec, traced=False, has_h0=h0 is not None,
@@ -212,12 +213,13 @@ def kda_fwd_triton(
 
 def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Tensor, ht: Optional[Tensor],
                     s: dict, prec: str, traced: bool, slots: Optional[Tensor] = None, v_first: bool = False,
-                    first_up: bool = True) -> None:
+                    first_up: bool = True, skip_unkept_state: bool = False) -> None:
     """Stage 2: the scan over chunks (state_fwd.py) into up, chunk_states and ht
     (None: not stored); for packed sequences, zeros into the chunk-state slots past
     the last one's. ``slots``: h0 and ht are one state pool, read and written at
     those slots. ``first_up=False`` (packed sequences, no h0): the rows of each
-    sequence's first chunk in up are not written (the output reads U there)."""
+    sequence's first chunk in up are not written (the output reads U there).
+    ``skip_unkept_state``: a one-chunk sequence forms no state that nothing keeps."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     ht_or_stand_in = chunk_states if ht is None else ht
     _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
@@ -226,7 +228,7 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
         IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first, COMPACT_STATES=s["COMPACT_STATES"],
-        FIRST_UP=first_up, num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
+        FIRST_UP=first_up, SKIP_UNKEPT_STATE=skip_unkept_state, num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
     )
     if s["IS_VARLEN"]:
         row = HV * K * V

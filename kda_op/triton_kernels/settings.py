@@ -218,19 +218,20 @@ SHORT_TILE = 32
 # written in the fifteenth session without a device: interpreter-tested, compiled
 # for sm_90a, neither run nor timed on the GPU yet, so 2 (timed above) stays.
 SHORT_TILE_LAUNCHES = 2
-# A forward that keeps no intermediates (inference, or a forward under no_grad)
-# writes nothing that no later stage of it reads: 1 = for packed sequences without
-# initial states the output kernel reads each sequence's first chunk's U' from U
-# (the same values: S0 = 0 there), so the scan does not copy U to U' there (nor,
-# for a one-chunk sequence whose state nothing keeps, load Kr or form the state);
-# intra_wu_fwd stores no W there (the scan reads none: U' = U) and intra_a_fwd no
-# Qg for first chunks without an initial state (the output skips Qg S0 there) and,
-# with compact chunk states and no final state, no Kr for last chunks. At 2048
-# packed sequences of 1-64 tokens (every one a single chunk) that leaves out U', W,
-# Qg and Kr whole (about 1.1 GB of bf16 writes; state_fwd took 1.10 ms, H200).
-# Written in the fifteenth session without a device: interpreter-tested, compiled
-# for sm_90a, neither run nor timed on the GPU yet: off until it is.
-SKIP_UNREAD_FWD = 0
+# The forward forms nothing that nothing reads: 1 = a one-chunk packed sequence
+# whose leaving state nothing keeps (compact chunk states, no final state: training)
+# loads no Kr and forms no state; and where the forward keeps no intermediates
+# (inference, or a forward under no_grad), for packed sequences without initial
+# states, the output kernel reads each sequence's first chunk's U' from U (the same
+# values: S0 = 0 there), so the scan does not copy U to U' there; intra_wu_fwd stores
+# no W there (the scan reads none: U' = U) and intra_a_fwd no Qg for first chunks
+# (the output skips Qg S0 there) and, with compact chunk states and no final state, no
+# Kr for last chunks. At 2048 packed sequences of 1-64 tokens (every one a single
+# chunk) the forward under no_grad then leaves out U', W, Qg and Kr whole (about 1.1 GB
+# of bf16 writes) and the scan's every program (state_fwd took 1.10 ms, H200). Written
+# in the fifteenth session without a device: interpreter-tested, compiled for sm_90a,
+# neither run nor timed on the GPU yet: off until it is.
+SKIP_UNREAD = 0
 # The backward's dS_C buffer (bf16 or fp32 [slots, HV, K, V], live at the backward's
 # peak) for packed sequences without dh0 and dht (training): 1 = each sequence one slot
 # fewer than its chunks (chunk c's Qg^T dO put in chunk c - 1's slot), T // 64 slots in

@@ -28,13 +28,15 @@ def kda_state_fwd_kernel(
     HAS_H0: tl.constexpr, DOT_PREC: tl.constexpr, STORE_HT: tl.constexpr = True,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, V_FIRST: tl.constexpr = False,
-    COMPACT_STATES: tl.constexpr = False, FIRST_UP: tl.constexpr = True,
+    COMPACT_STATES: tl.constexpr = False, FIRST_UP: tl.constexpr = True, SKIP_UNKEPT_STATE: tl.constexpr = False,
 ):
     # COMPACT_STATES (packed sequences without initial states; _indexing.py): the zero
     # state entering a sequence's first chunk and its final state are not stored in
     # chunk_states (the final one goes to ht only, when STORE_HT).
     # FIRST_UP = False (packed sequences without initial states, U' not kept): the first
     # chunks' U' (= U) is not written; the output kernel reads U there (its FIRST_FROM_U).
+    # SKIP_UNKEPT_STATE (settings.SKIP_UNREAD): a one-chunk sequence forms no leaving
+    # state where neither chunk_states (compact) nor ht keeps it.
     # POOL: prefill into a state pool [num_slots, HV, K, V] ([.., V, K] with
     # V_FIRST) in place: sequence i_b starts from slot slots[i_b] and leaves its
     # final state there; a negative slot reads zeros and writes nothing. Each
@@ -96,7 +98,7 @@ def kda_state_fwd_kernel(
         # the state after the first chunk is not wanted by a one-chunk sequence when
         # neither chunk_states nor ht keeps it: then neither Kr nor the dot is needed
         # (one-chunk sequences: every one at 2048 packed sequences of 1-64 tokens)
-        if COMPACT_STATES and not STORE_HT:
+        if SKIP_UNKEPT_STATE and COMPACT_STATES and not STORE_HT:
             wants_state = NC > 1
         else:
             wants_state = NC > 0
