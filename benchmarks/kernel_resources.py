@@ -105,7 +105,8 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     tiling = "".join(f" {c}={constexprs[c]}" for c in ("TILE", "PICK_TILE") if constexprs.get(c))
     tiling += "".join(f" {c}=0" for c in ("HAS_H0", "FIRST_UP") if constexprs.get(c, True) is False)
     tiling += "".join(f" {c}=0" for c in ("QG_FIRST", "KR_LAST", "W_FIRST") if constexprs.get(c, True) is False)
-    tiling += "".join(f" {c}" for c in ("FIRST_FROM_U", "SKIP_UNKEPT_STATE") if constexprs.get(c))
+    tiling += "".join(f" {c}" for c in ("FIRST_FROM_U", "SKIP_UNKEPT_STATE", "STEEP", "ONE_LAUNCH")
+                      if constexprs.get(c))
     return (f"{fn.__name__ + tiling:28s} warps {num_warps} stages {num_stages}: regs {regs.group(1) if regs else '?':>3s}, "
             f"spill st/ld {spill.group(1) if spill else '?'}/{spill.group(2) if spill else '?'} B, "
             f"shared {kernel.metadata.shared} B, compile {seconds:.1f} s"), kernel.metadata.shared
@@ -228,13 +229,19 @@ def main(argv: list[str] | None = None) -> int:
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate),
-         S.INTRA_BWD_A_WARPS, 3),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
+              STEEP_DOT_PREC=steep_prec), S.INTRA_BWD_A_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT, **gate,
-              BLOCK_REFS=bool(S.STEEP_BLOCK_REFS)), 4, 3),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
+              BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), STEEP_DOT_PREC=steep_prec), 4, 3),
+        # both in one launch (settings.INTRA_BWD_A_ONE_LAUNCH)
+        (intra_bwd_a.kda_intra_bwd_a_kernel,
+         dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
+              dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=False, ONE_LAUNCH=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT,
+              **gate, BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), STEEP_DOT_PREC=steep_prec), S.INTRA_BWD_A_WARPS, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(cu_seqlens="*i64", q=x, k=x, v=x, g=graw, beta=x, h0=f32, o=x, ht=f32, **gate_sig, scale="fp32", T="i32", H="i32",
               HV="i32", slots="*i64", accepted="*i64", slots_stride="i32"),

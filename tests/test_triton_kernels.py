@@ -368,6 +368,57 @@ def test_triton_forward_forms_nothing_that_nothing_reads(output_final_state, wit
             _rel_close(a, b, name)
 
 
+@pytest.mark.parametrize("gated,decay", [(True, 0.2), (False, 5.0), (False, 10.0)])
+def test_triton_backward_through_the_as_in_one_launch(gated, decay, monkeypatch):
+    """settings.INTRA_BWD_A_ONE_LAUNCH: the backward through the A's in one launch,
+    each program on its chunk's path (split at the middle row, block references,
+    steep), gives bitwise the grads of the two launches, and the reference's: packed
+    sequences whose chunks take both kinds of path (fla's bounded gate; log decays
+    down to -5 and -10 a row, where the forward's block references and steep launch
+    take over)."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import bwd, settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    lengths = [1, 20, 64, 0, 130, 33, 65]
+    cu, (q, k, v, g, beta), gate, do = _packed_problem(lengths, 43, gated, decay)
+    args = [x.to(DEVICE) for x in (q, k, v, g, beta)] + [None, None]
+    gate_d = None if gate is None else tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d = cu.to(DEVICE)
+    o, _, cs, kept = kda_fwd_triton(*args, True, gate=gate_d, cu_seqlens=cu_d, output_final_state=False)
+    flags = _intermediates_views(kept, _layout(args[0], args[2], cu_d)[0])["steep"].flatten().tolist()
+    used = sum((n + 63) // 64 for n in lengths) * 2  # chunk slots in use (the others are 0) times the heads
+    assert flags.count(0) > len(flags) - used and any(f != 0 for f in flags), flags  # both kinds of chunk
+    launches = []
+    kernel = bwd.kda_intra_bwd_a_kernel
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                launches.append((kw["STEEP"], kw.get("ONE_LAUNCH", False)))
+                return kernel[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(bwd, "kda_intra_bwd_a_kernel", Recording())
+    results = {}
+    for one_launch in (1, 0):
+        monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", one_launch)
+        launches.clear()
+        results[one_launch] = kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d)
+        assert launches == ([(False, True)] if one_launch else [(False, False), (True, False)]), launches
+    for i, (a, b) in enumerate(zip(results[1], results[0])):
+        assert torch.equal(a, b), i
+    want = _reference_fwd(q, k, v, g, beta, None, None, gate, cu)
+    want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, None, gate, cu)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), results[1], want_grads):
+        if b.numel():
+            _rel_close(a, b, name)
+    monkeypatch.setattr(settings, "BKD_A", 2 * settings.BKD)
+    monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", 1)
+    with pytest.raises(ValueError, match="BKD_A == BKD"):
+        kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d)
+
+
 @pytest.mark.parametrize("T", [2 * CHUNK_SIZE + 7, CHUNK_SIZE + 40])  # 40: a block cut by T
 def test_triton_tm_row_loads(T, monkeypatch):
     """intra_wu_fwd's other way to its forward substitution (settings.TM_ROW_LOADS =

@@ -147,7 +147,8 @@ def kda_bwd_triton(
     del dup, up, dtm_part, dbeta_part
     dg = torch.empty_like(g)
     with record_function("kda_op::bwd::intra_through_a"):
-        common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT)
+        common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, STEEP_DOT_PREC=_steep_dot_precision(q.dtype),
+                      MAX_SPLIT=MAX_SPLIT, BLOCK_REFS=bool(S.STEEP_BLOCK_REFS))
         ga = _gate_args(gate, g)
         # the gate's partial sums over each chunk's rows (written where GATE)
         gate_parts = torch.empty(2, B, NC, HV, K, **f32) if gate is not None else None
@@ -155,13 +156,21 @@ def kda_bwd_triton(
         args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg,
                 g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part, *s["VL_CHUNK"], scale, T, NC)
         flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], IS_VARLEN=s["IS_VARLEN"])
-        kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD_A), NC, B * HV)](
-            *args, **common, **flags, BKD=S.BKD_A, STEEP=False, num_warps=S.INTRA_BWD_A_WARPS,
-        )
-        kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD), NC, B * HV)](
-            *args, **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))), **flags, BKD=S.BKD, STEEP=True,
-            BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
-        )
+        if S.INTRA_BWD_A_ONE_LAUNCH:
+            # both kinds of chunk in one launch, each program on its chunk's path
+            if S.BKD_A != S.BKD:
+                raise ValueError(f"settings.INTRA_BWD_A_ONE_LAUNCH needs BKD_A == BKD (one K slice per program), "
+                                 f"got {S.BKD_A} and {S.BKD}")
+            kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD), NC, B * HV)](
+                *args, **common, **flags, BKD=S.BKD, STEEP=False, ONE_LAUNCH=True, num_warps=S.INTRA_BWD_A_WARPS,
+            )
+        else:
+            kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD_A), NC, B * HV)](
+                *args, **common, **flags, BKD=S.BKD_A, STEEP=False, num_warps=S.INTRA_BWD_A_WARPS,
+            )
+            kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD), NC, B * HV)](
+                *args, **common, **flags, BKD=S.BKD, STEEP=True, num_warps=4,
+            )
         dA_log = empty() if A_log is None else dla_part.sum((0, 1, 3)).to(A_log.dtype)
         ddt_bias = empty() if dt_bias is None else ddt_part.sum((0, 1)).reshape(HV * K).to(dt_bias.dtype)
     del dakk, daqk, dgam, dgam_last, gate_parts, ddt_part, dla_part, args

@@ -65,13 +65,16 @@ def kda_intra_bwd_a_kernel(
     STEEP: tl.constexpr, DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
     GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False,
+    ONE_LAUNCH: tl.constexpr = False, STEEP_DOT_PREC: tl.constexpr = "ieee",
 ):
     """STEEP = False: the chunks the forward split at their middle row (the others
     return at once); STEEP = True: the steep ones, with sub-blocks. BLOCK_REFS
     (STEEP): a slice whose gam strays at most MAX_SPLIT from the middle row of
     each BC-row block goes back with those rows as references, in the common
     path's [BT, BT] x [BT, BKD] dots (four per block, the other blocks' rows of
-    dA masked), instead of block by block."""
+    dA masked), instead of block by block. ONE_LAUNCH (settings.INTRA_BWD_A_ONE_LAUNCH):
+    both kinds of chunk in one launch, each program on its chunk's path (no program
+    only reads its flag and returns). The steep path's dots run at STEEP_DOT_PREC."""
     # The K slice varies fastest over the grid: the slices of one chunk run side by
     # side and share their loads of dA_kk, dA_qk through L2.
     i_s = tl.program_id(0)
@@ -104,169 +107,198 @@ def kda_intra_bwd_a_kernel(
     if IS_VARLEN:
         if T <= 0:  # an unused chunk slot: nothing to compute; zero gate partial sums (the host sums every slot)
             if GATE:
-                if not STEEP:
+                if ONE_LAUNCH or not STEEP:
                     tl.store(ddt_part + o_s, tl.zeros([BKD], dtype=tl.float32), mask=m_s)
                     tl.store(dla_part + o_s, tl.zeros([BKD], dtype=tl.float32), mask=m_s)
             return
-    if not STEEP:
-        if tl.load(steep + g_c * HV + i_hv) == 0:
-            # Split at the middle row m as the forward did: every factor lies within
-            # exp(+-MAX_SPLIT); dA_kk and dA_qk are zero above their diagonals, so no
-            # overflowing product enters.
-            o_r = tl.arange(0, BT)
-            o_t = o_r
-            m_t = o_t < T
-            m_ts = m_t[:, None] & m_s[None, :]
-            b_g = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-            b_gmid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
-            b_dmid = b_g - b_gmid[None, :]
-            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-            p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
-            b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
-            b_dkk = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)
-            b_ep = tl.exp(b_dmid)
-            b_en = tl.exp(-b_dmid)
-            b_kn = b_k * b_en
-            b_tq = b_ep * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
-            b_tk = b_ep * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
-            b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_q * b_ep, input_precision=DOT_PREC)
-                            + tl.dot(tl.trans(b_dkk), b_k * b_ep, input_precision=DOT_PREC))
-            row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
-            _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
-                          b_q, b_k, b_tq, b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE)
+    flag = tl.load(steep + g_c * HV + i_hv)
+    if ONE_LAUNCH:
+        if flag == 0:
+            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE)
+        else:
+            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
+                             BLOCK_REFS)
+    elif not STEEP:
+        if flag == 0:
+            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE)
     else:
-        o_c = tl.arange(0, BC)
-        causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
-        if tl.load(steep + g_c * HV + i_hv) != 0:
-            # The chunk's whole slice, read once: each row block takes the columns
-            # before it in one [BC, BT] x [BT, BKD] dot, and each column block the
-            # rows after it in one more, instead of a small dot per pair of blocks.
-            o_r = tl.arange(0, BT)
-            o_t = o_r
-            m_t = o_t < T
-            m_ts = m_t[:, None] & m_s[None, :]
-            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-            b_g = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-            # each row's block's middle row: the references of the block path
-            b_gmb = tl.load(gam + gam_row((o_r // BC) * BC + BC // 2, T)[:, None] * (HV * K) + o_s[None, :],
-                            mask=m_s[None, :], other=0.0)
-            b_dblk = b_g - b_gmb
-            if BLOCK_REFS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
-                p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
-                b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
-                b_dkk = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)
-                b_er = tl.exp(b_dblk)  # exp(gam_i - gam_m(i)), m(i) the middle row of i's block
-                b_qr = b_q * b_er
-                b_kr = b_k * b_er
-                b_tq = tl.zeros([BT, BKD], dtype=tl.float32)
-                b_tk = tl.zeros([BT, BKD], dtype=tl.float32)
-                b_tkj = tl.zeros([BT, BKD], dtype=tl.float32)
-                for i_i in tl.static_range(BT // BC):
-                    # a block past the sequence's end (short or last chunks) has dA = 0: skipped
-                    if i_i * BC < T:
-                        rows = (o_r // BC == i_i)[:, None]
-                        b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
-                        # columns up to the block's end: exp(gam_m - gam_j) within exp(MAX_SPLIT) in the
-                        # block, <= 1 before it for a decaying gate; after it dA is zero, the factor dropped
-                        b_ec = tl.exp(tl.where((o_r < (i_i + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")))
-                        b_dqk_i = tl.where(rows, b_dqk, 0.0)
-                        b_dkk_i = tl.where(rows, b_dkk, 0.0)
-                        b_kc = b_k * b_ec
-                        b_tq += tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
-                        b_tk += tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
-                        b_tkj += b_ec * (tl.dot(tl.trans(b_dqk_i), b_qr, input_precision=DOT_PREC)
-                                         + tl.dot(tl.trans(b_dkk_i), b_kr, input_precision=DOT_PREC))
-                row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
-                _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
-                              b_q, b_k, b_er * b_tq, b_er * b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE)
-            else:
-                b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
-                b_ddt = tl.zeros([BKD], dtype=tl.float32)  # the gate's partial sums (GATE)
-                b_dla_sum = tl.zeros([BKD], dtype=tl.float32)
-                for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
-                    if i_i * BC < T:  # a block past the sequence's end holds no row: skipped
-                        o_i = i_i * BC + o_c
-                        m_i = o_i < T
-                        m_is = m_i[:, None] & m_s[None, :]
-                        row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
-                        b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
-                        b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-                        b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-                        b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
-                        b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
-                        b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
-                        da_row = (o_i[:, None]) * (HV * BT)
+        if flag != 0:
+            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
+                             BLOCK_REFS)
 
-                        if i_i > 0:
-                            # block i_i's rows, the columns j before it; reference r = its first
-                            # row: exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a
-                            # decaying gate
-                            b_gr = tl.load(gam + gam_row(i_i * BC, T) * (HV * K) + o_s, mask=m_s, other=0.0)
-                            before = o_r < i_i * BC
-                            b_kb = b_k * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_g, float("-inf")))
-                            m_before = m_i[:, None] & before[None, :]
-                            b_dqk = tl.load(daqk + da_row + o_r[None, :], mask=m_before, other=0.0)
-                            b_dkk = tl.load(dakk + da_row + o_r[None, :], mask=m_before, other=0.0)
-                            b_ai = tl.exp(b_gi - b_gr[None, :])
-                            b_tq = b_ai * tl.dot(b_dqk, b_kb, input_precision=DOT_PREC)
-                            b_tk = b_ai * tl.dot(b_dkk, b_kb, input_precision=DOT_PREC)
-                            b_dqi += b_tq
-                            b_dki += b_tk
-                            b_dgi += b_qi * b_tq + b_ki * b_tk
 
-                        if i_i < BT // BC - 1:
-                            # block i_i as the columns of the rows l after it; reference c = the
-                            # first row after the block: exp(gam_l - gam_c), exp(gam_c - gam_j) <= 1
-                            b_gc = tl.load(gam + gam_row((i_i + 1) * BC, T) * (HV * K) + o_s, mask=m_s, other=0.0)
-                            after = o_r >= (i_i + 1) * BC
-                            b_ea = tl.exp(tl.where(after[:, None], b_g - b_gc[None, :], float("-inf")))
-                            p_col = (o_t[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
-                            m_after = (m_t & after)[:, None]
-                            b_dqk = tl.load(daqk + p_col, mask=m_after, other=0.0)
-                            b_dkk = tl.load(dakk + p_col, mask=m_after, other=0.0)
-                            b_tk = tl.dot(tl.trans(b_dqk), b_q * b_ea, input_precision=DOT_PREC)
-                            b_tk += tl.dot(tl.trans(b_dkk), b_k * b_ea, input_precision=DOT_PREC)
-                            b_tk = tl.exp(b_gc[None, :] - b_gi) * b_tk
-                            b_dki += b_tk
-                            b_dgi -= b_ki * b_tk
+@triton.jit
+def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+                     o_s, m_s, b_ga, b_gbias, lower_bound,
+                     K: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, GATE: tl.constexpr):
+    """A chunk the forward split at its middle row (steep flag 0), one K slice."""
+    # Split at the middle row m as the forward did: every factor lies within
+    # exp(+-MAX_SPLIT); dA_kk and dA_qk are zero above their diagonals, so no
+    # overflowing product enters.
+    o_r = tl.arange(0, BT)
+    o_t = o_r
+    m_t = o_t < T
+    m_ts = m_t[:, None] & m_s[None, :]
+    b_g = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    b_gmid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+    b_dmid = b_g - b_gmid[None, :]
+    b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+    p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
+    b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
+    b_dkk = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)
+    b_ep = tl.exp(b_dmid)
+    b_en = tl.exp(-b_dmid)
+    b_kn = b_k * b_en
+    b_tq = b_ep * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
+    b_tk = b_ep * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
+    b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_q * b_ep, input_precision=DOT_PREC)
+                    + tl.dot(tl.trans(b_dkk), b_k * b_ep, input_precision=DOT_PREC))
+    row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
+    _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
+                  b_q, b_k, b_tq, b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE)
 
-                        # diagonal block: split at its middle row m when the gates allow (as in
-                        # intra_a_fwd.py): exp(gam_i - gam_j) = exp(gam_i - gam_m) exp(gam_m - gam_j)
-                        col = i_i * BC + o_c[None, :]
-                        b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
-                        b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
-                        b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
-                        b_gd = b_gi - b_gm[None, :]
-                        if tl.max(tl.max(tl.abs(b_gd), 1), 0) <= MAX_SPLIT:
-                            b_em = tl.exp(b_gd)
-                            b_en = tl.exp(-b_gd)
-                            b_kn = b_ki * b_en
-                            b_tq = b_em * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
-                            b_tk = b_em * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
-                            b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_qi * b_em, input_precision=DOT_PREC)
-                                            + tl.dot(tl.trans(b_dkk), b_ki * b_em, input_precision=DOT_PREC))
-                        else:  # steep gates: exact exp(gam_i - gam_j) per pair
-                            b_e = tl.exp(tl.where(causal, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
-                            b_tq = tl.sum(b_dqk[:, :, None] * b_ki[None, :, :] * b_e, 1)
-                            b_tk = tl.sum(b_dkk[:, :, None] * b_ki[None, :, :] * b_e, 1)
-                            b_tkj = tl.sum((b_dqk[:, :, None] * b_qi[:, None, :] + b_dkk[:, :, None] * b_ki[:, None, :]) * b_e, 0)
-                        b_dqi += b_tq
-                        b_dki += b_tk + b_tkj
-                        b_dgi += b_qi * b_tq + b_ki * b_tk - b_ki * b_tkj
 
-                        # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
-                        b_dgt = tl.cumsum(b_dgi, 0, reverse=True) + b_carry[None, :]
-                        b_carry += tl.sum(b_dgi, 0)
-                        if GATE:
-                            b_graw = tl.load(g + row_is, mask=m_is, other=0.0).to(tl.float32)
-                            b_dgt, b_dla = gate_bwd(b_dgt, b_graw, b_ga, b_gbias, lower_bound, GATE)
-                            b_ddt += tl.sum(tl.where(m_is, b_dgt, 0.0), 0)
-                            b_dla_sum += tl.sum(tl.where(m_is, b_dla, 0.0), 0)
-                        tl.store(dq + row_is, b_dqi, mask=m_is)
-                        tl.store(dk + row_is, b_dki, mask=m_is)
-                        tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)
+@triton.jit
+def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+                     o_s, m_s, b_ga, b_gbias, lower_bound,
+                     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr, DOT_PREC: tl.constexpr,
+                     MAX_SPLIT: tl.constexpr, GATE: tl.constexpr, BLOCK_REFS: tl.constexpr):
+    """A steep chunk (steep flag 1 or 2), one K slice, by sub-blocks of BC rows."""
+    o_c = tl.arange(0, BC)
+    causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
+    # The chunk's whole slice, read once: each row block takes the columns
+    # before it in one [BC, BT] x [BT, BKD] dot, and each column block the
+    # rows after it in one more, instead of a small dot per pair of blocks.
+    o_r = tl.arange(0, BT)
+    o_t = o_r
+    m_t = o_t < T
+    m_ts = m_t[:, None] & m_s[None, :]
+    b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+    b_g = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    # each row's block's middle row: the references of the block path
+    b_gmb = tl.load(gam + gam_row((o_r // BC) * BC + BC // 2, T)[:, None] * (HV * K) + o_s[None, :],
+                    mask=m_s[None, :], other=0.0)
+    b_dblk = b_g - b_gmb
+    if BLOCK_REFS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
+        p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
+        b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
+        b_dkk = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)
+        b_er = tl.exp(b_dblk)  # exp(gam_i - gam_m(i)), m(i) the middle row of i's block
+        b_qr = b_q * b_er
+        b_kr = b_k * b_er
+        b_tq = tl.zeros([BT, BKD], dtype=tl.float32)
+        b_tk = tl.zeros([BT, BKD], dtype=tl.float32)
+        b_tkj = tl.zeros([BT, BKD], dtype=tl.float32)
+        for i_i in tl.static_range(BT // BC):
+            # a block past the sequence's end (short or last chunks) has dA = 0: skipped
+            if i_i * BC < T:
+                rows = (o_r // BC == i_i)[:, None]
+                b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+                # columns up to the block's end: exp(gam_m - gam_j) within exp(MAX_SPLIT) in the
+                # block, <= 1 before it for a decaying gate; after it dA is zero, the factor dropped
+                b_ec = tl.exp(tl.where((o_r < (i_i + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")))
+                b_dqk_i = tl.where(rows, b_dqk, 0.0)
+                b_dkk_i = tl.where(rows, b_dkk, 0.0)
+                b_kc = b_k * b_ec
+                b_tq += tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
+                b_tk += tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
+                b_tkj += b_ec * (tl.dot(tl.trans(b_dqk_i), b_qr, input_precision=DOT_PREC)
+                                 + tl.dot(tl.trans(b_dkk_i), b_kr, input_precision=DOT_PREC))
+        row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
+        _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
+                      b_q, b_k, b_er * b_tq, b_er * b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE)
+    else:
+        b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
+        b_ddt = tl.zeros([BKD], dtype=tl.float32)  # the gate's partial sums (GATE)
+        b_dla_sum = tl.zeros([BKD], dtype=tl.float32)
+        for i_i in tl.static_range(BT // BC - 1, -1, -1):  # last block first, for the reverse cumsum
+            if i_i * BC < T:  # a block past the sequence's end holds no row: skipped
+                o_i = i_i * BC + o_c
+                m_i = o_i < T
+                m_is = m_i[:, None] & m_s[None, :]
+                row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
+                b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+                b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+                b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+                b_dqi = tl.load(dq + row_is, mask=m_is, other=0.0)
+                b_dki = tl.load(dk + row_is, mask=m_is, other=0.0)
+                b_dgi = tl.load(dgam + row_is, mask=m_is, other=0.0)
+                da_row = (o_i[:, None]) * (HV * BT)
+
+                if i_i > 0:
+                    # block i_i's rows, the columns j before it; reference r = its first
+                    # row: exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a
+                    # decaying gate
+                    b_gr = tl.load(gam + gam_row(i_i * BC, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    before = o_r < i_i * BC
+                    b_kb = b_k * tl.exp(tl.where(before[:, None], b_gr[None, :] - b_g, float("-inf")))
+                    m_before = m_i[:, None] & before[None, :]
+                    b_dqk = tl.load(daqk + da_row + o_r[None, :], mask=m_before, other=0.0)
+                    b_dkk = tl.load(dakk + da_row + o_r[None, :], mask=m_before, other=0.0)
+                    b_ai = tl.exp(b_gi - b_gr[None, :])
+                    b_tq = b_ai * tl.dot(b_dqk, b_kb, input_precision=DOT_PREC)
+                    b_tk = b_ai * tl.dot(b_dkk, b_kb, input_precision=DOT_PREC)
+                    b_dqi += b_tq
+                    b_dki += b_tk
+                    b_dgi += b_qi * b_tq + b_ki * b_tk
+
+                if i_i < BT // BC - 1:
+                    # block i_i as the columns of the rows l after it; reference c = the
+                    # first row after the block: exp(gam_l - gam_c), exp(gam_c - gam_j) <= 1
+                    b_gc = tl.load(gam + gam_row((i_i + 1) * BC, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+                    after = o_r >= (i_i + 1) * BC
+                    b_ea = tl.exp(tl.where(after[:, None], b_g - b_gc[None, :], float("-inf")))
+                    p_col = (o_t[:, None]) * (HV * BT) + i_i * BC + o_c[None, :]
+                    m_after = (m_t & after)[:, None]
+                    b_dqk = tl.load(daqk + p_col, mask=m_after, other=0.0)
+                    b_dkk = tl.load(dakk + p_col, mask=m_after, other=0.0)
+                    b_tk = tl.dot(tl.trans(b_dqk), b_q * b_ea, input_precision=DOT_PREC)
+                    b_tk += tl.dot(tl.trans(b_dkk), b_k * b_ea, input_precision=DOT_PREC)
+                    b_tk = tl.exp(b_gc[None, :] - b_gi) * b_tk
+                    b_dki += b_tk
+                    b_dgi -= b_ki * b_tk
+
+                # diagonal block: split at its middle row m when the gates allow (as in
+                # intra_a_fwd.py): exp(gam_i - gam_j) = exp(gam_i - gam_m) exp(gam_m - gam_j)
+                col = i_i * BC + o_c[None, :]
+                b_dqk = tl.load(daqk + da_row + col, mask=m_i[:, None], other=0.0)
+                b_dkk = tl.load(dakk + da_row + col, mask=m_i[:, None], other=0.0)
+                b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+                b_gd = b_gi - b_gm[None, :]
+                if tl.max(tl.max(tl.abs(b_gd), 1), 0) <= MAX_SPLIT:
+                    b_em = tl.exp(b_gd)
+                    b_en = tl.exp(-b_gd)
+                    b_kn = b_ki * b_en
+                    b_tq = b_em * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
+                    b_tk = b_em * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
+                    b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_qi * b_em, input_precision=DOT_PREC)
+                                    + tl.dot(tl.trans(b_dkk), b_ki * b_em, input_precision=DOT_PREC))
+                else:  # steep gates: exact exp(gam_i - gam_j) per pair
+                    b_e = tl.exp(tl.where(causal, b_gi[:, None, :] - b_gi[None, :, :], float("-inf")))
+                    b_tq = tl.sum(b_dqk[:, :, None] * b_ki[None, :, :] * b_e, 1)
+                    b_tk = tl.sum(b_dkk[:, :, None] * b_ki[None, :, :] * b_e, 1)
+                    b_tkj = tl.sum((b_dqk[:, :, None] * b_qi[:, None, :] + b_dkk[:, :, None] * b_ki[:, None, :]) * b_e, 0)
+                b_dqi += b_tq
+                b_dki += b_tk + b_tkj
+                b_dgi += b_qi * b_tq + b_ki * b_tk - b_ki * b_tkj
+
+                # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
+                b_dgt = tl.cumsum(b_dgi, 0, reverse=True) + b_carry[None, :]
+                b_carry += tl.sum(b_dgi, 0)
                 if GATE:
-                    tl.store(ddt_part + o_s, b_ddt, mask=m_s)
-                    tl.store(dla_part + o_s, b_dla_sum, mask=m_s)
+                    b_graw = tl.load(g + row_is, mask=m_is, other=0.0).to(tl.float32)
+                    b_dgt, b_dla = gate_bwd(b_dgt, b_graw, b_ga, b_gbias, lower_bound, GATE)
+                    b_ddt += tl.sum(tl.where(m_is, b_dgt, 0.0), 0)
+                    b_dla_sum += tl.sum(tl.where(m_is, b_dla, 0.0), 0)
+                tl.store(dq + row_is, b_dqi, mask=m_is)
+                tl.store(dk + row_is, b_dki, mask=m_is)
+                tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)
+        if GATE:
+            tl.store(ddt_part + o_s, b_ddt, mask=m_s)
+            tl.store(dla_part + o_s, b_dla_sum, mask=m_s)

@@ -108,6 +108,16 @@ BF16_DSTATES = 1
 # K slices of the backward through the A's, one program each: BKD_A on the
 # common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
 BKD_A = 32
+# The backward through the A's (intra_bwd_a.py) in one launch whose programs take
+# their chunk's path by its steep flag (1), instead of two launches, one per kind
+# of chunk, whose programs for the other kind's chunks read the flag and return (0:
+# half of 394k programs at 2048 packed sequences of 1-64 tokens, 16 heads; an idle
+# launch of 49k such programs cost 0.31 ms in the forward, H200). Needs BKD_A ==
+# BKD. sm_90a: the one launch takes the steep variant's 255 registers (the common
+# one 248) at four warps, the same occupancy. Written in the fifteenth session
+# without a device: interpreter-tested, compiled, neither run nor timed on the GPU
+# yet: off until it is.
+INTRA_BWD_A_ONE_LAUNCH = 0
 # 16 -> 32 on the H200 (2026-12-01, bf16, fla's layer flags, where most chunks are
 # steep): forward+backward 4.747 -> 3.751 ms at B1-T8192-H16 (fla 3.72), o the same.
 BKD = 32
