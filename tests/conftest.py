@@ -24,7 +24,34 @@ torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False
 
 
+def _test_settings() -> dict:
+    """``KDA_TEST_SETTINGS="NAME=VALUE,..."``: the whole suite under other values of
+    kda_op/triton_kernels/settings.py's upper-case settings (say, ones that stay off
+    until the GPU has run every test with them on); values are Python literals."""
+    import ast
+
+    from kda_op.triton_kernels import settings
+
+    changes = {}
+    for item in filter(None, os.environ.get("KDA_TEST_SETTINGS", "").split(",")):
+        name, sep, value = item.partition("=")
+        name = name.strip()
+        if not sep or not name.isupper() or not hasattr(settings, name):
+            raise pytest.UsageError(f"KDA_TEST_SETTINGS: {item!r} is not NAME=VALUE of a setting in settings.py")
+        changes[name] = ast.literal_eval(value.strip())
+    return changes
+
+
+def pytest_report_header(config):
+    changes = _test_settings()
+    return [f"KDA_TEST_SETTINGS: {changes}"] if changes else []
+
+
 def pytest_configure(config):
+    from kda_op.triton_kernels import settings
+
+    for name, value in _test_settings().items():
+        setattr(settings, name, value)
     if os.environ.get("TRITON_INTERPRET") == "1":
         from kda_op._compat import interpreter_numpy_problem
 
