@@ -228,7 +228,8 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
         IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first, COMPACT_STATES=s["COMPACT_STATES"],
-        FIRST_UP=first_up, SKIP_UNKEPT_STATE=skip_unkept_state, num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
+        FIRST_UP=first_up, SKIP_UNKEPT_STATE=skip_unkept_state,
+        num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
     )
     if s["IS_VARLEN"]:
         row = HV * K * V
@@ -247,7 +248,8 @@ def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, p
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     bv_out = S.BV_OUTPUT or s["BV"]
     _kernel(kda_output_fwd_kernel, traced)[(triton.cdiv(V, bv_out), NC, B * HV)](
-        x["qg"], x["aqk"], up, x["u"], chunk_states, o, *s["VL_CHUNK"], T, NC, s["H"], HV, o if slots is None else slots,
+        x["qg"], x["aqk"], up, x["u"], chunk_states, o, *s["VL_CHUNK"], T, NC, s["H"], HV,
+        o if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
         DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
         POOL=slots is not None, HAS_H0=has_h0 or slots is not None, FIRST_FROM_U=first_from_u,
