@@ -236,12 +236,6 @@ def main(argv: list[str] | None = None) -> int:
               dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
          dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
               BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), STEEP_DOT_PREC=steep_prec), 4, 3),
-        # both in one launch (settings.INTRA_BWD_A_ONE_LAUNCH)
-        (intra_bwd_a.kda_intra_bwd_a_kernel,
-         dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
-              dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=False, ONE_LAUNCH=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT,
-              **gate, BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), STEEP_DOT_PREC=steep_prec), S.INTRA_BWD_A_WARPS, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(cu_seqlens="*i64", q=x, k=x, v=x, g=graw, beta=x, h0=f32, o=x, ht=f32, **gate_sig, scale="fp32", T="i32", H="i32",
               HV="i32", slots="*i64", accepted="*i64", slots_stride="i32"),
@@ -257,6 +251,12 @@ def main(argv: list[str] | None = None) -> int:
               dbeta=x, R="i32", beta_scale="fp32"),
          dict(K=K, G=4, BK=s["BK"], BR=S.PREP_ROWS, BB=4 * S.PREP_ROWS, L2NORM=True, SIGMOID=True), S.PREP_WARPS, 3),
     ]
+    if args.varlen or S.INTRA_BWD_A_ONE_LAUNCH:
+        # the backward through the A's in one launch (settings.INTRA_BWD_A_ONE_LAUNCH;
+        # compiled with --varlen while it is off: its compile is the longest)
+        steep_run = [r for r in runs if r[0] is intra_bwd_a.kda_intra_bwd_a_kernel and r[2]["STEEP"]][0]
+        runs.append((steep_run[0], steep_run[1], dict(steep_run[2], STEEP=False, ONE_LAUNCH=True),
+                     S.INTRA_BWD_A_WARPS, steep_run[4]))
     if args.varlen:
         # short packed sequences' [SHORT_TILE, SHORT_TILE] tiles: in a launch of their own
         # (settings.SHORT_TILE_LAUNCHES 2), or picked per program in the one launch (1)
