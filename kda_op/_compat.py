@@ -74,6 +74,21 @@ def all_gather_autograd():
     return getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
 
 
+def is_exporting() -> bool:
+    """Whether torch.export is tracing: ``torch.compiler.is_exporting()``, except that
+    torch 2.11's dynamo folds that call to True in every trace, torch.compile's too
+    (torch/_dynamo/variables/torch.py lists it among the functions that are True while
+    compiling; torch 2.13 answers False there), which sent compiled training on CUDA
+    through the export forward op (nothing kept for the backward, plain torch ops for
+    the q/k l2 norm). The flag that torch.export sets (torch/_export/utils.py) and that
+    the public function returns, read directly, is right under both: dynamo reads a
+    module attribute's value at trace time (and guards on it)."""
+    flag = getattr(torch.compiler, "_is_exporting_flag", None)
+    if isinstance(flag, bool):
+        return flag
+    return torch.compiler.is_exporting()
+
+
 def wrap_triton(fn):
     """``torch.library.wrap_triton(fn)``, except that a kernel of Triton's interpreter
     (TRITON_INTERPRET=1 makes ``@triton.jit`` give an ``InterpretedFunction``, which

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from . import ops as _ops  # noqa: F401  (defines the ops and their autograd)
 from . import meta as _meta  # noqa: F401  (registers the fake kernels; needs the ops)
+from ._compat import is_exporting
 from ._checks import check_bool, check_kda_inputs, check_options, check_pool_inputs
 from ._contract import chunked_kernels_serve
 from .reference import beta_sigmoid_reference, l2norm_reference
@@ -62,7 +63,7 @@ def _prepare(q, k, beta, use_qk_l2norm_in_kernel: bool, use_beta_sigmoid_in_kern
     if not (use_qk_l2norm_in_kernel or use_beta_sigmoid_in_kernel):
         return q, k, beta
     beta_scale = (2.0 if allow_neg_eigval else 1.0) if use_beta_sigmoid_in_kernel else 0.0
-    if torch.compiler.is_exporting():
+    if is_exporting():
         # torch.export: the same math as plain torch ops, which AOTInductor compiles
         # into its packages; kda_op::kda_prep_fwd, a Python custom op, it cannot
         # carry (a package must load without kda_op, as the export forward op does).
@@ -235,7 +236,7 @@ def chunk_kda(
     q, k, beta = _prepare(q, k, beta, use_qk_l2norm_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     scale = None if scale is None else float(scale)
     gate = (A_log, dt_bias, use_gate_in_kernel, None if lower_bound is None else float(lower_bound))
-    if torch.compiler.is_exporting() and chunked_kernels_serve(q.device.type, q.dtype):
+    if is_exporting() and chunked_kernels_serve(q.device.type, q.dtype):
         # torch.export on CUDA: the forward whose kernels AOTInductor can compile
         # into a package (kda_op.ops.chunk_kda_fwd_export).
         o, final_state, _ = torch.ops.kda_op.chunk_kda_fwd_export(q, k, v, g, beta, scale, h0, *gate, cu_seqlens)

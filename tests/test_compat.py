@@ -76,3 +76,29 @@ def test_wrap_triton_leaves_an_interpreted_kernel_as_it_is():
     from kda_op.triton_kernels import _host
 
     assert _host._kernel(kda_zero_slots_kernel, traced=True) is kda_zero_slots_kernel
+
+
+def _sign_of_exporting(x):
+    return x + 1 if _compat.is_exporting() else x - 1
+
+
+def test_is_exporting_only_under_torch_export():
+    """_compat.is_exporting() is False eagerly and under torch.compile (torch 2.11's
+    dynamo folds torch.compiler.is_exporting() to True there, which sent compiled
+    training through the export op) and True under torch.export, strict or not."""
+    import torch
+
+    class Step(torch.nn.Module):
+        def forward(self, x):
+            return _sign_of_exporting(x)
+
+    x = torch.randn(3)
+    assert torch.equal(_sign_of_exporting(x), x - 1)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(_sign_of_exporting, fullgraph=True)(x), x - 1)
+    assert torch.equal(torch.compile(_sign_of_exporting, fullgraph=True, dynamic=True)(x), x - 1)
+    for strict in (False, True):
+        ep = torch.export.export(Step(), (x,), strict=strict)
+        assert torch.equal(ep.module()(x), x + 1), f"strict={strict}"
+    # the compiled function is not stuck with what export saw, nor export with compile's
+    assert torch.equal(torch.compile(_sign_of_exporting, fullgraph=True)(x), x - 1)

@@ -262,6 +262,29 @@ def test_cuda_compile_fullgraph_forward_backward(dynamic):
             assert _rel_err(a, b) < 1e-3
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_inductor_compiles_the_export_op(packed):
+    """The export op (a triton_op) under torch.compile: inductor compiles its Triton
+    kernels from the traced launches, as AOTInductor does for a package; the same
+    results as the op run eagerly. (With a kernel parameter left to its default,
+    inductor's compile of kda_intra_a_fwd_kernel failed a static_assert, torch 2.11.)"""
+    torch._dynamo.reset()
+    T = 2 * CHUNK_SIZE + 9
+    inputs = _cuda_inputs(1 if packed else 2, T, 2, 2, 128, 128, torch.bfloat16, seed=21, with_h0=not packed)
+    args = tuple(inputs[n] for n in NAMES[:5]) + (None, inputs["initial_state"])
+    cu = torch.tensor([0, 1, 64, 65, T], device="cuda") if packed else None
+
+    def fn(*a):
+        return torch.ops.kda_op.chunk_kda_fwd_export(*a, cu_seqlens=cu)
+
+    want = fn(*args)
+    got = torch.compile(fn, fullgraph=True)(*args)
+    for name, a, b in zip(("o", "final_state", "chunk_states"), got, want):
+        # Same kernels; inductor may only fuse the casts around them.
+        torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")
+        assert _rel_err(a, b) < 1e-3, name
+
+
 def test_cuda_graph_capture_and_replay():
     B, T, H, G, K, V = 2, 200, 2, 2, 128, 128
     static = _cuda_inputs(B, T, H, G, K, V, torch.bfloat16, seed=12)

@@ -954,3 +954,55 @@ def test_triton_export_op_matches_the_forward_and_the_reference(T, with_h0):
     grads_ref = kda_backward_reference(*args, None, h0, cs_ref, do, dht)
     for name, leaf, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), leaves, grads_ref):
         _rel_close(leaf.grad, want, name)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_traced_launches_pass_every_parameter(packed, monkeypatch):
+    """The export op's host code (traced by torch.export and inductor) passes every
+    parameter of every kernel it launches, defaults included: with one left to its
+    default, torch's mutation analysis of the traced launch fails and the kernel
+    inductor compiled from it did not get that default (torch 2.11: a static_assert
+    on TILE / PICK_TILE failed in every compiled forward). Each launch's arguments
+    are recorded on the way through wrap_triton; the results are still checked
+    against the reference."""
+    from kda_op import _compat
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels.fwd import kda_fwd_triton_export
+    import inspect
+
+    launches = []
+    real_wrap = _compat.wrap_triton
+
+    class Recorder:
+        def __init__(self, fn):
+            self.fn, self.launcher = fn, real_wrap(fn)
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                launches.append((self.fn, len(args), set(kwargs)))
+                return self.launcher[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(_compat, "wrap_triton", Recorder)
+    if packed:
+        cu, (q, k, v, g, beta), gate, _ = _packed_problem([5, 64, 70, 0, 33], seed=47, gated=True, decay=0.2)
+        h0 = None
+    else:
+        inputs = _inputs(2, CHUNK_SIZE + 9, 1, 2, 32, 16, True, seed=53)
+        (q, k, v, g, beta), h0 = (inputs[n].cpu() for n in NAMES), inputs["initial_state"].cpu()
+        cu, gate = None, None
+    dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
+    gate_d = None if gate is None else tuple(dev(x) if isinstance(x, torch.Tensor) else x for x in gate)
+    o, ht, _ = kda_fwd_triton_export(*(dev(x) for x in (q, k, v, g, beta)), None, dev(h0), gate=gate_d,
+                                     cu_seqlens=dev(cu))
+    o_ref, ht_ref, _, _ = _reference_fwd(q, k, v, g, beta, None, h0, gate, cu)
+    _rel_close(o, o_ref, "o")
+    _rel_close(ht, ht_ref, "final_state")
+
+    names = {fn.__name__ for fn, _, _ in launches}
+    assert {"kda_intra_a_fwd_kernel", "kda_intra_wu_fwd_kernel", "kda_state_fwd_kernel",
+            "kda_output_fwd_kernel"} <= names, sorted(names)
+    for fn, n_args, kwargs in launches:
+        params = list(inspect.signature(fn.fn).parameters)
+        missing = set(params[n_args:]) - kwargs
+        assert not missing, f"{fn.__name__}: traced launch leaves {sorted(missing)} to their defaults"

@@ -89,13 +89,48 @@ def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int, pe
 
 def _kernel(fn, traced: bool):
     """``fn``, or for host code that torch.export and inductor trace into (the
-    export op), ``fn`` wrapped so the launch is captured as a graph node. Outside
-    tracing the wrapped kernel launches as it is."""
+    export op), ``fn`` wrapped so the launch is captured as a graph node and every
+    parameter is passed (``_EveryArgument``). Outside tracing the wrapped kernel
+    launches as it is."""
     if traced:
         from .._compat import wrap_triton
 
-        return wrap_triton(fn)
+        return _EveryArgument(wrap_triton(fn), fn)
     return fn
+
+
+@functools.lru_cache(maxsize=None)
+def _parameters(fn) -> tuple:
+    """``(name, has_default, default)`` of each of ``fn``'s parameters, in order."""
+    import inspect
+
+    return tuple((p.name, p.default is not p.empty, p.default)
+                 for p in inspect.signature(fn.fn).parameters.values())
+
+
+class _EveryArgument:
+    """``launcher[grid](*args, **kwargs)`` with each parameter that the call leaves
+    to its default passed explicitly, at its default. torch's traced launches need
+    every one: with one left out, its mutation analysis (which tensors a kernel
+    writes) fails and assumes every input written, and the kernel inductor
+    compiles from the traced node did not get the defaults (torch 2.11, Triton 3.6:
+    a tl.static_assert on TILE / PICK_TILE, which default to 0, failed there)."""
+
+    def __init__(self, launcher, fn):
+        self.launcher, self.fn = launcher, fn
+
+    def __getitem__(self, grid):
+        launch = self.launcher[grid]
+
+        def run(*args, **kwargs):
+            for name, has_default, default in _parameters(self.fn)[len(args):]:
+                if name not in kwargs:
+                    if not has_default:
+                        raise TypeError(f"{self.fn.__name__}: no argument for {name!r}")
+                    kwargs[name] = default
+            return launch(*args, **kwargs)
+
+        return run
 
 
 def _varlen_index(cu_seqlens: Tensor, T: int, has_initial_state: bool = True) -> tuple[Tensor, Tensor, Tensor, int]:
