@@ -114,10 +114,11 @@ BKD_A = 32
 # half of 394k programs at 2048 packed sequences of 1-64 tokens, 16 heads; an idle
 # launch of 49k such programs cost 0.31 ms in the forward, H200). Needs BKD_A ==
 # BKD. sm_90a: the one launch takes the steep variant's 255 registers (the common
-# one 248) at four warps, the same occupancy. Written in the fifteenth session
-# without a device: interpreter-tested, compiled, neither run nor timed on the GPU
-# yet: off until it is.
-INTRA_BWD_A_ONE_LAUNCH = 0
+# one 248) at four warps, the same occupancy. H200 (2026-12-02, fla's layer flags,
+# same process): forward+backward at 2048 packed sequences 22.18 -> 21.75 ms,
+# varlen-mixed-T8192 (host-bound) 5.25 -> 5.22; its GPU tests passed (grads bitwise
+# the two launches', fla's layer flags against fla, test_cuda).
+INTRA_BWD_A_ONE_LAUNCH = 1
 # 16 -> 32 on the H200 (2026-12-01, bf16, fla's layer flags, where most chunks are
 # steep): forward+backward 4.747 -> 3.751 ms at B1-T8192-H16 (fla 3.72), o the same.
 BKD = 32
@@ -225,8 +226,9 @@ SHORT_TILE = 32
 # kernel whose programs pick the tile by their chunk's rows (1: no program only
 # returns; sm_90a registers and occupancy are those of the [BT, BT] path either
 # way, intra_a_fwd 168 registers at four warps, intra_wu_fwd 255 at two). 1 was
-# written in the fifteenth session without a device: interpreter-tested, compiled
-# for sm_90a, neither run nor timed on the GPU yet, so 2 (timed above) stays.
+# written in the fifteenth session without a device; on the H200 (2026-12-02, same
+# process) it was slower: forward at 2048 packed sequences 6.545 -> 6.679 ms (with
+# SKIP_UNREAD and the one-launch backward: 5.415 -> 5.638), so 2 stays.
 SHORT_TILE_LAUNCHES = 2
 # The forward forms nothing that nothing reads: 1 = a one-chunk packed sequence
 # whose leaving state nothing keeps (compact chunk states, no final state: training)
@@ -238,10 +240,11 @@ SHORT_TILE_LAUNCHES = 2
 # (the output skips Qg S0 there) and, with compact chunk states and no final state, no
 # Kr for last chunks. At 2048 packed sequences of 1-64 tokens (every one a single
 # chunk) the forward under no_grad then leaves out U', W, Qg and Kr whole (about 1.1 GB
-# of bf16 writes) and the scan's every program (state_fwd took 1.10 ms, H200). Written
-# in the fifteenth session without a device: interpreter-tested, compiled for sm_90a,
-# neither run nor timed on the GPU yet: off until it is.
-SKIP_UNREAD = 0
+# of bf16 writes) and the scan's every program (state_fwd took 1.10 ms, H200). On the
+# H200 (2026-12-02, fla's layer flags, same process): forward at 2048 packed sequences
+# 6.545 -> 5.415 ms (fla 5.57), forward+backward 22.18 -> 21.73; its GPU tests passed
+# (bitwise the forward that writes everything, the byte-pattern check, fla's layer).
+SKIP_UNREAD = 1
 # The backward's dS_C buffer (bf16 or fp32 [slots, HV, K, V], live at the backward's
 # peak) for packed sequences without dh0 and dht (training): 1 = each sequence one slot
 # fewer than its chunks (chunk c's Qg^T dO put in chunk c - 1's slot), T // 64 slots in
