@@ -1008,3 +1008,54 @@ def test_triton_traced_launches_pass_every_parameter(packed, monkeypatch):
         params = list(inspect.signature(fn.fn).parameters)
         missing = set(params[n_args:]) - kwargs
         assert not missing, f"{fn.__name__}: traced launch leaves {sorted(missing)} to their defaults"
+
+
+@pytest.mark.parametrize("one_launch", [1, 0])
+def test_triton_row_block_dots_match_the_masked_dots(one_launch, monkeypatch):
+    """settings.INTRA_BWD_A_ROW_BLOCK_DOTS: the block-reference path of the backward
+    through the A's (steep chunks under fla's bounded gate) with each 16-row block's
+    dots on its own rows of dA gives the grads of the dots on every row (other blocks'
+    rows zeroed) within fp32 rounding (the sums run in another order), and the
+    reference's: packed sequences of lengths that end inside a block, at a block's
+    end, inside the chunk's last block, one token, none; in one launch and in two."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", one_launch)
+    lengths = [1, 20, 64, 0, 130, 33, 48, 57]
+    cu, (q, k, v, g, beta), gate, do = _packed_problem(lengths, 61, True, 0.2)
+    args = [x.to(DEVICE) for x in (q, k, v, g, beta)] + [None, None]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d = cu.to(DEVICE)
+    o, _, cs, kept = kda_fwd_triton(*args, True, gate=gate_d, cu_seqlens=cu_d, output_final_state=False)
+    flags = _intermediates_views(kept, _layout(args[0], args[2], cu_d)[0])["steep"].flatten().tolist()
+    assert flags.count(1) >= 8, flags  # chunks that go back through the block references
+    from kda_op.triton_kernels import bwd
+
+    kernel, passed = bwd.kda_intra_bwd_a_kernel, []
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                passed.append(kw["ROW_BLOCK_DOTS"])
+                return kernel[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(bwd, "kda_intra_bwd_a_kernel", Recording())
+    results = {}
+    for rows in (1, 0):
+        monkeypatch.setattr(settings, "INTRA_BWD_A_ROW_BLOCK_DOTS", rows)
+        passed.clear()
+        results[rows] = kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d)
+        assert passed and all(p == bool(rows) for p in passed), passed
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    for name, a, b in zip(names, results[1], results[0]):
+        if b.numel():
+            # fp32, one order of the sums against another: the fp32 tolerance of these tests
+            _rel_close(a, b, name)
+    want = _reference_fwd(q, k, v, g, beta, None, None, gate, cu)
+    want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, None, gate, cu)
+    for name, a, b in zip(names, results[1], want_grads):
+        if b.numel():
+            _rel_close(a, b, name)

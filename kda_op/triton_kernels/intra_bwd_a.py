@@ -66,6 +66,7 @@ def kda_intra_bwd_a_kernel(
     GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False,
     ONE_LAUNCH: tl.constexpr = False, STEEP_DOT_PREC: tl.constexpr = "ieee",
+    ROW_BLOCK_DOTS: tl.constexpr = False,
 ):
     """STEEP = False: the chunks the forward split at their middle row (the others
     return at once); STEEP = True: the steep ones, with sub-blocks. BLOCK_REFS
@@ -74,7 +75,9 @@ def kda_intra_bwd_a_kernel(
     path's [BT, BT] x [BT, BKD] dots (four per block, the other blocks' rows of
     dA masked), instead of block by block. ONE_LAUNCH (settings.INTRA_BWD_A_ONE_LAUNCH):
     both kinds of chunk in one launch, each program on its chunk's path (no program
-    only reads its flag and returns). The steep path's dots run at STEEP_DOT_PREC."""
+    only reads its flag and returns). The steep path's dots run at STEEP_DOT_PREC.
+    ROW_BLOCK_DOTS (settings.INTRA_BWD_A_ROW_BLOCK_DOTS): the block references' dots
+    on each block's own rows of dA, not on all of them with the others zeroed."""
     # The K slice varies fastest over the grid: the slices of one chunk run side by
     # side and share their loads of dA_kk, dA_qk through L2.
     i_s = tl.program_id(0)
@@ -119,7 +122,7 @@ def kda_intra_bwd_a_kernel(
         else:
             _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
-                             BLOCK_REFS)
+                             BLOCK_REFS, ROW_BLOCK_DOTS)
     elif not STEEP:
         if flag == 0:
             _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
@@ -128,7 +131,7 @@ def kda_intra_bwd_a_kernel(
         if flag != 0:
             _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
-                             BLOCK_REFS)
+                             BLOCK_REFS, ROW_BLOCK_DOTS)
 
 
 @triton.jit
@@ -164,10 +167,63 @@ def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_
 
 
 @triton.jit
+def _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+                          o_s, m_s, b_ga, b_gbias, lower_bound, b_q, b_k, b_g,
+                          K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
+                          DOT_PREC: tl.constexpr, GATE: tl.constexpr):
+    """The block-reference path (each BC-row block's middle row m(i) the reference of
+    its rows) with each block's dots on its own rows of dA: [BC, BT] x [BT, BKD] for its
+    rows' terms and [BT, BC] x [BC, BKD] for what its rows give the columns before them,
+    one [BT, BT] x [BT, BKD] dot's work a block where the dots on every row (the other
+    blocks' rows zeroed) take four. ``b_q`` (scaled), ``b_k``, ``b_g``: the chunk's
+    slice, [BT, BKD]."""
+    NB: tl.constexpr = BT // BC
+    o_r = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    o_b = tl.arange(0, NB)
+    m_ts = (o_r < T)[:, None] & m_s[None, :]
+    # the rows' terms of each block, [NB, BC, BKD], made [BT, BKD] at the end
+    b_tq3 = tl.zeros([NB, BC, BKD], dtype=tl.float32)
+    b_tk3 = tl.zeros([NB, BC, BKD], dtype=tl.float32)
+    b_tkj = tl.zeros([BT, BKD], dtype=tl.float32)
+    for i_i in tl.static_range(NB):
+        # a block past the sequence's end (short or last chunks) has dA = 0: skipped
+        if i_i * BC < T:
+            o_i = i_i * BC + o_c
+            m_i = o_i < T
+            m_is = m_i[:, None] & m_s[None, :]
+            # the block's rows again (L1 / L2), as [BC, BKD]
+            b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+            b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+            b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+            b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+            b_eri = tl.exp(b_gi - b_gm[None, :])  # exp(gam_i - gam_m(i)), within exp(MAX_SPLIT)
+            p_a = (o_i[:, None]) * (HV * BT) + o_r[None, :]
+            b_dqk_i = tl.load(daqk + p_a, mask=m_i[:, None], other=0.0)
+            b_dkk_i = tl.load(dakk + p_a, mask=m_i[:, None], other=0.0)
+            # columns up to the block's end: exp(gam_m - gam_j) within exp(MAX_SPLIT) in the
+            # block, <= 1 before it for a decaying gate; after it dA is zero, the factor dropped
+            b_ec = tl.exp(tl.where((o_r < (i_i + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")))
+            b_kc = b_k * b_ec
+            b_tq_i = b_eri * tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
+            b_tk_i = b_eri * tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
+            b_tkj += b_ec * (tl.dot(tl.trans(b_dqk_i), b_qi * b_eri, input_precision=DOT_PREC)
+                             + tl.dot(tl.trans(b_dkk_i), b_ki * b_eri, input_precision=DOT_PREC))
+            here = (o_b == i_i)[:, None, None]
+            b_tq3 = tl.where(here, b_tq_i[None, :, :], b_tq3)
+            b_tk3 = tl.where(here, b_tk_i[None, :, :], b_tk3)
+    row_ts = (o_r[:, None]) * (HV * K) + o_s[None, :]
+    _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
+                  b_q, b_k, tl.reshape(b_tq3, [BT, BKD]), tl.reshape(b_tk3, [BT, BKD]), b_tkj,
+                  b_ga, b_gbias, lower_bound, GATE)
+
+
+@triton.jit
 def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
                      o_s, m_s, b_ga, b_gbias, lower_bound,
                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr, DOT_PREC: tl.constexpr,
-                     MAX_SPLIT: tl.constexpr, GATE: tl.constexpr, BLOCK_REFS: tl.constexpr):
+                     MAX_SPLIT: tl.constexpr, GATE: tl.constexpr, BLOCK_REFS: tl.constexpr,
+                     ROW_BLOCK_DOTS: tl.constexpr = False):
     """A steep chunk (steep flag 1 or 2), one K slice, by sub-blocks of BC rows."""
     o_c = tl.arange(0, BC)
     causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
@@ -185,7 +241,10 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_
     b_gmb = tl.load(gam + gam_row((o_r // BC) * BC + BC // 2, T)[:, None] * (HV * K) + o_s[None, :],
                     mask=m_s[None, :], other=0.0)
     b_dblk = b_g - b_gmb
-    if BLOCK_REFS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
+    if BLOCK_REFS and ROW_BLOCK_DOTS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
+        _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+                              o_s, m_s, b_ga, b_gbias, lower_bound, b_q, b_k, b_g, K, BT, BC, BKD, DOT_PREC, GATE)
+    elif BLOCK_REFS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
         b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
         b_dkk = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)

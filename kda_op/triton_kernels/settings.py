@@ -119,6 +119,16 @@ BKD_A = 32
 # varlen-mixed-T8192 (host-bound) 5.25 -> 5.22; its GPU tests passed (grads bitwise
 # the two launches', fla's layer flags against fla, test_cuda).
 INTRA_BWD_A_ONE_LAUNCH = 1
+# The block-reference path of the backward through the A's (every chunk with fla's
+# gate at lower_bound -5) with each 16-row block's dots on its own rows of dA (1): four
+# [BT, BT] x [BT, BKD] dots' work a program where the dots on every row with the other
+# blocks' rows zeroed take sixteen (0). kda_intra_bwd_a was 8.79 of a 21.95 ms step at
+# 2048 packed sequences of 1-64 tokens (H200, 2026-12-02). sm_90a, bf16, the gate's
+# steep variant: HGMMA 128 -> 16 (the [16, 64] x [64, BKD] dots take mma.sync: HMMA 128
+# -> 192), 15776 -> 16056 instructions, spills 1816 / 2048 -> 1640 / 2280 B, shared
+# memory 57 -> 25 KB; the one launch likewise. Written in the sixteenth session after
+# its device time: interpreter-tested, neither run nor timed on the GPU: off until it is.
+INTRA_BWD_A_ROW_BLOCK_DOTS = 0
 # 16 -> 32 on the H200 (2026-12-01, bf16, fla's layer flags, where most chunks are
 # steep): forward+backward 4.747 -> 3.751 ms at B1-T8192-H16 (fla 3.72), o the same.
 BKD = 32
