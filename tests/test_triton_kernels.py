@@ -45,6 +45,21 @@ def _rel_close(got, want, name):
     torch.testing.assert_close(got.cpu(), want.cpu(), **FP32_TOL, msg=lambda m: f"{name}: {m}")
 
 
+def _on_launch(monkeypatch, module, name, record):
+    """Replace the kernel ``module.name`` by one that calls ``record(kwargs)`` at each
+    launch, then launches the kernel as it is."""
+    kernel = getattr(module, name)
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                record(kw)
+                return kernel[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(module, name, Recording())
+
+
 def _check_fwd_bwd(args, h0, with_dht, seed):
     """Forward and backward of the Triton kernels against the fp32 reference: o,
     final state, chunk states and the six grads (dtype, shape, finite, close).
@@ -269,16 +284,8 @@ def test_triton_short_tiles_match_full_tiles(gated, launches, monkeypatch):
     cu_d = cu.to(DEVICE)
     tiles = []
     for name in ("kda_intra_a_fwd_kernel", "kda_intra_wu_fwd_kernel"):
-        kernel = getattr(fwd, name)
-
-        class Recording:
-            def __getitem__(self, grid, kernel=kernel):
-                def launch(*a, **kw):
-                    tiles.append(tuple(kw.get(c, 0) for c in ("TILE", "SKIP_TILED", "PICK_TILE")))
-                    return kernel[grid](*a, **kw)
-                return launch
-
-        monkeypatch.setattr(fwd, name, Recording())
+        _on_launch(monkeypatch, fwd, name,
+                   lambda kw: tiles.append(tuple(kw.get(c, 0) for c in ("TILE", "SKIP_TILED", "PICK_TILE"))))
     results = {}
     monkeypatch.setattr(settings, "SHORT_TILE_LAUNCHES", launches)
     tiled = [(0, 0, 32)] * 2 if launches == 1 else [(0, 32, 0)] * 2 + [(32, 0, 0)] * 2
@@ -328,16 +335,7 @@ def test_triton_forward_forms_nothing_that_nothing_reads(output_final_state, wit
     flags = []
     for name, keys in (("kda_state_fwd_kernel", ("FIRST_UP", "SKIP_UNKEPT_STATE")),
                        ("kda_intra_a_fwd_kernel", ("QG_FIRST", "KR_LAST")), ("kda_intra_wu_fwd_kernel", ("W_FIRST",))):
-        kernel = getattr(fwd, name)
-
-        class Recording:
-            def __getitem__(self, grid, kernel=kernel, keys=keys):
-                def launch(*a, **kw):
-                    flags.extend((key, kw[key]) for key in keys)
-                    return kernel[grid](*a, **kw)
-                return launch
-
-        monkeypatch.setattr(fwd, name, Recording())
+        _on_launch(monkeypatch, fwd, name, lambda kw, keys=keys: flags.extend((key, kw[key]) for key in keys))
     results = {}
     for skip_unread in (1, 0):
         monkeypatch.setattr(settings, "SKIP_UNREAD", skip_unread)
@@ -390,16 +388,8 @@ def test_triton_backward_through_the_as_in_one_launch(gated, decay, monkeypatch)
     used = sum((n + 63) // 64 for n in lengths) * 2  # chunk slots in use (the others are 0) times the heads
     assert flags.count(0) > len(flags) - used and any(f != 0 for f in flags), flags  # both kinds of chunk
     launches = []
-    kernel = bwd.kda_intra_bwd_a_kernel
-
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                launches.append((kw["STEEP"], kw.get("ONE_LAUNCH", False)))
-                return kernel[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(bwd, "kda_intra_bwd_a_kernel", Recording())
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_kernel",
+               lambda kw: launches.append((kw["STEEP"], kw.get("ONE_LAUNCH", False))))
     results = {}
     for one_launch in (1, 0):
         monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", one_launch)
@@ -1019,7 +1009,7 @@ def test_triton_row_block_dots_match_the_masked_dots(one_launch, monkeypatch):
     reference's: packed sequences of lengths that end inside a block, at a block's
     end, inside the chunk's last block, one token, none; in one launch and in two."""
     from kda_op.ops import _reference_bwd, _reference_fwd
-    from kda_op.triton_kernels import settings
+    from kda_op.triton_kernels import bwd, settings
     from kda_op.triton_kernels._host import _intermediates_views, _layout
 
     monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", one_launch)
@@ -1031,18 +1021,8 @@ def test_triton_row_block_dots_match_the_masked_dots(one_launch, monkeypatch):
     o, _, cs, kept = kda_fwd_triton(*args, True, gate=gate_d, cu_seqlens=cu_d, output_final_state=False)
     flags = _intermediates_views(kept, _layout(args[0], args[2], cu_d)[0])["steep"].flatten().tolist()
     assert flags.count(1) >= 8, flags  # chunks that go back through the block references
-    from kda_op.triton_kernels import bwd
-
-    kernel, passed = bwd.kda_intra_bwd_a_kernel, []
-
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                passed.append(kw["ROW_BLOCK_DOTS"])
-                return kernel[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(bwd, "kda_intra_bwd_a_kernel", Recording())
+    passed = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_kernel", lambda kw: passed.append(kw["ROW_BLOCK_DOTS"]))
     results = {}
     for rows in (1, 0):
         monkeypatch.setattr(settings, "INTRA_BWD_A_ROW_BLOCK_DOTS", rows)
