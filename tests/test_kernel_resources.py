@@ -36,8 +36,8 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
     ("--gate", "1"),  # fla's in-kernel gate, softplus form
     ("--gate", "2"),  # ... lower-bound form
     ("--varlen", "--gate", "1"),  # packed sequences (cu_seqlens), as fla's layer trains
-    # the steep chunks' block references, the backward's dots on each block's rows
-    ("--gate", "2", "--set", "STEEP_BLOCK_REFS=1", "INTRA_BWD_A_ROW_BLOCK_DOTS=1"),
+    # the steep chunks' block references, the backward's masked dots on every row
+    ("--gate", "2", "--set", "STEEP_BLOCK_REFS=1", "INTRA_BWD_A_ROW_BLOCK_DOTS=0"),
     ("--gate", "2", "--set", "INTRA_A_BLOCK_REFS=0"),  # the forward's steep chunks all through the steep launch
 ])
 def test_kernels_fit_the_h200_shared_memory_with_other_options(options):

@@ -1039,3 +1039,31 @@ def test_triton_row_block_dots_match_the_masked_dots(one_launch, monkeypatch):
     for name, a, b in zip(names, results[1], want_grads):
         if b.numel():
             _rel_close(a, b, name)
+
+
+@pytest.mark.parametrize("has_initial_state", [True, False])
+@pytest.mark.parametrize("lengths", [[1, 63, 0, 65, 64, 2, 130], [0, 0, 200], [129, 0], [5]])
+def test_varlen_index_matches_a_loop_over_the_sequences(lengths, has_initial_state):
+    """_host._varlen_index (torch ops on the device: the chunk slots' sequence, chunk and
+    state slot; each sequence's first chunk and state slot; the first unused state slot)
+    against a plain loop over the lengths and _contract.varlen_state_offsets, with empty
+    sequences first, inside and last, and slots left over past the last chunk."""
+    from kda_op._contract import varlen_chunk_slots, varlen_state_offsets
+    from kda_op.triton_kernels._host import _varlen_index
+
+    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    T = int(cu[-1])
+    chunk_index, seq_offsets, first_unused, NCB = _varlen_index(cu, T, has_initial_state)
+    starts, want_unused = varlen_state_offsets(lengths, has_initial_state)
+    want_index, want_seq, chunk = [], [], 0
+    for n, length in enumerate(lengths):
+        want_seq.append([chunk, starts[n]])
+        for c in range(-(-length // CHUNK_SIZE)):
+            want_index.append([n, c, starts[n] + c])
+        chunk += -(-length // CHUNK_SIZE)
+    assert NCB == varlen_chunk_slots(T, len(lengths)) >= len(want_index)
+    want_index += [[-1, 0, -1]] * (NCB - len(want_index))
+    assert chunk_index.dtype == torch.int32 and chunk_index.is_contiguous()
+    assert chunk_index.tolist() == want_index
+    assert seq_offsets.tolist() == want_seq
+    assert first_unused.tolist() == [want_unused]

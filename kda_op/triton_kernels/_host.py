@@ -154,8 +154,12 @@ def _varlen_index(cu_seqlens: Tensor, T: int, has_initial_state: bool = True) ->
         first_unused = stored[-1:]
     NCB = varlen_chunk_slots(T, N)
     slots = torch.arange(NCB, device=cu.device, dtype=torch.int64)
-    # the sequence whose chunks [offsets[n], offsets[n + 1]) hold the slot
-    n = torch.searchsorted(chunk_offsets[1:].contiguous(), slots, right=True)
+    # the sequence whose chunks [offsets[n], offsets[n + 1]) hold the slot: offsets[0] = 0
+    # counts once for every slot. Not searchsorted(offsets[1:], ...): inductor's Triton
+    # lowering of searchsorted (torch 2.11) drops a sliced sequence's storage offset and
+    # searched from offsets[0] (pytorch/pytorch#182343): the export op and AOTInductor
+    # packages took every packed chunk as the next sequence's (illegal memory access, H200)
+    n = torch.searchsorted(chunk_offsets, slots, right=True) - 1
     valid = n < N
     n_safe = n.clamp(max=max(N - 1, 0))
     c = slots - chunk_offsets.gather(0, n_safe)
