@@ -262,23 +262,25 @@ def test_cuda_compile_fullgraph_forward_backward(dynamic):
             assert _rel_err(a, b) < 1e-3
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_cuda_inductor_compiles_the_export_op(packed):
+@pytest.mark.parametrize("packed, dynamic", [(False, False), (True, False), (True, True)])
+def test_cuda_inductor_compiles_the_export_op(packed, dynamic):
     """The export op (a triton_op) under torch.compile: inductor compiles its Triton
-    kernels from the traced launches, as AOTInductor does for a package; the same
-    results as the op run eagerly. (With a kernel parameter left to its default,
-    inductor's compile of kda_intra_a_fwd_kernel failed a static_assert, torch 2.11.)"""
+    kernels and the host code's torch ops (the packed sequences' index, cu_seqlens an
+    input), as AOTInductor does for a package; the same results as the op run eagerly.
+    (torch 2.11: with a kernel parameter left to its default, inductor's compile of
+    kda_intra_a_fwd_kernel failed a static_assert; packed, inductor's searchsorted on
+    a slice searched from the wrong element: an illegal memory access.)"""
     torch._dynamo.reset()
     T = 2 * CHUNK_SIZE + 9
     inputs = _cuda_inputs(1 if packed else 2, T, 2, 2, 128, 128, torch.bfloat16, seed=21, with_h0=not packed)
     args = tuple(inputs[n] for n in NAMES[:5]) + (None, inputs["initial_state"])
     cu = torch.tensor([0, 1, 64, 65, T], device="cuda") if packed else None
 
-    def fn(*a):
-        return torch.ops.kda_op.chunk_kda_fwd_export(*a, cu_seqlens=cu)
+    def fn(*a, cu_seqlens):
+        return torch.ops.kda_op.chunk_kda_fwd_export(*a, cu_seqlens=cu_seqlens)
 
-    want = fn(*args)
-    got = torch.compile(fn, fullgraph=True)(*args)
+    want = fn(*args, cu_seqlens=cu)
+    got = torch.compile(fn, fullgraph=True, dynamic=dynamic)(*args, cu_seqlens=cu)
     for name, a, b in zip(("o", "final_state", "chunk_states"), got, want):
         # Same kernels; inductor may only fuse the casts around them.
         torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-2, msg=lambda m: f"{name}: {m}")
