@@ -119,3 +119,11 @@ def contiguous_grad(x):
     ('Expected input.is_contiguous()'), as a ``.sum(0)`` over the gathered ranks
     hands it (an expand); torch 2.13 copies it itself."""
     return _ContiguousGrad.apply(x)
+
+
+def profiler_enabled() -> bool:
+    """Whether a torch profiler is recording now. torch has no public query; its
+    record_function asks ``torch._C._autograd._profiler_enabled`` (torch 2.11 and
+    2.13). Where that is missing, True: the ranges are then always recorded."""
+    query = getattr(torch._C._autograd, "_profiler_enabled", None)
+    return True if query is None else bool(query())

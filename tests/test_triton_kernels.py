@@ -1067,3 +1067,35 @@ def test_varlen_index_matches_a_loop_over_the_sequences(lengths, has_initial_sta
     assert chunk_index.tolist() == want_index
     assert seq_offsets.tolist() == want_seq
     assert first_unused.tolist() == [want_unused]
+
+
+def test_host_integer_helpers_match_triton():
+    """_host._cdiv / _pow2 (plain Python, the host code's) give triton.cdiv's and
+    triton.next_power_of_2's values."""
+    import triton
+
+    from kda_op.triton_kernels._host import _cdiv, _pow2
+
+    for n in range(0, 1100):
+        assert _pow2(n) == triton.next_power_of_2(n), n
+        for d in (1, 16, 64, 1024):
+            assert _cdiv(n, d) == triton.cdiv(n, d), (n, d)
+    assert _pow2(2**40 + 1) == 2**41 and _cdiv(2**40 + 1, 64) == 2**34 + 1
+
+
+def test_host_ranges_only_while_a_profiler_records():
+    """_host._range: a record_function range (profiling/ reads them) while a torch
+    profiler records, nothing otherwise (an idle range costs ~8 us of host time)."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from kda_op.triton_kernels._host import _range
+
+    assert isinstance(_range("kda_op::test::idle"), contextlib.nullcontext)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        with _range("kda_op::test::recorded"):
+            torch.ones(3).sum()
+    names = {e.name for e in prof.events()}
+    assert "kda_op::test::recorded" in names
+    assert isinstance(_range("kda_op::test::idle"), contextlib.nullcontext)

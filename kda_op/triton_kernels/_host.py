@@ -6,6 +6,7 @@ intermediates. Tuning settings are read from settings.py at every call.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -14,6 +15,7 @@ from typing import Optional
 import torch
 import triton
 from torch import Tensor
+from torch.profiler import record_function
 
 from .._contract import varlen_chunk_slots, varlen_state_slots, intermediates_layout, scan_operand_dtype
 from . import settings as S
@@ -22,6 +24,31 @@ from .settings import BT
 
 # Under Triton's interpreter (CPU CI) bf16 dots are emulated (_dot.py).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# The host code's integer helpers and profiler ranges, in plain Python: triton.cdiv and
+# triton.next_power_of_2 are Triton constexpr functions (Triton 3.9: about 2 us a call
+# against 0.02), and an idle record_function costs about 8 us; with some 30 and 10 of
+# them in a forward and backward on short packed sequences (host-bound), 0.14 ms of
+# host time a step on the development machine.
+def _cdiv(a, b):
+    """ceil(a / b) for integers (SymInts too, for the traced export op)."""
+    return -(-a // b)
+
+
+def _pow2(n):
+    """The least power of two >= n for n >= 1 (0 for 0), as triton.next_power_of_2."""
+    if not isinstance(n, int):  # a SymInt (traced): Triton's own arithmetic
+        return triton.next_power_of_2(n)
+    return 0 if n == 0 else 1 << (n - 1).bit_length()
+
+
+def _range(name: str):
+    """A profiler range (``torch.profiler.record_function``) while a profiler runs,
+    else nothing (profiling/ reads the ranges; an idle range costs host time)."""
+    from .._compat import profiler_enabled
+
+    return record_function(name) if profiler_enabled() else contextlib.nullcontext()
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -82,7 +109,7 @@ def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int, pe
     bigger block still splits V."""
     wave = (S.SCAN_SMS or _sm_count(device)) * per_sm
     bv = bv_min
-    while bv < min(S.BV_SCAN_MAX, triton.next_power_of_2(V)) and B * HV * triton.cdiv(V, bv) > wave:
+    while bv < min(S.BV_SCAN_MAX, _pow2(V)) and B * HV * _cdiv(V, bv) > wave:
         bv *= 2
     return bv
 
@@ -194,7 +221,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
     _check_offsets(T, HV, K, V)
     _check_grid(B, HV, T)
     if cu_seqlens is None:
-        varlen = dict(NC=triton.cdiv(T, BT), NSEQ=B, NCS=triton.cdiv(T, BT) + 1, IS_VARLEN=False,
+        varlen = dict(NC=_cdiv(T, BT), NSEQ=B, NCS=_cdiv(T, BT) + 1, IS_VARLEN=False,
                       VL_CHUNK=(q, q), VL_SEQ=(q, q), FIRST_UNUSED_STATE=None, COMPACT_STATES=False)
     else:
         N = cu_seqlens.shape[0] - 1
@@ -206,7 +233,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
                       FIRST_UNUSED_STATE=first_unused, COMPACT_STATES=not has_initial_state)
     # Blocks of at least 32: a wrong dk was seen on the H200 with K = 32, V = 16
     # (BV = 16) that the interpreter computed right; cause not established.
-    BK = max(32, triton.next_power_of_2(K))
+    BK = max(32, _pow2(K))
     bf16_operands = scan_operand_dtype(q.dtype) == torch.bfloat16  # the *_BF16_DOTS options apply
     # short packed sequences (settings.SHORT_SEQ_CHUNKS): the scans' V block from the
     # sequence count (not from B = 1)
@@ -222,7 +249,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
         **varlen,
         SHORT=short,
         BK=BK,
-        BV=min(64 if BK <= 128 else 32, max(32, triton.next_power_of_2(V))),
+        BV=min(64 if BK <= 128 else 32, max(32, _pow2(V))),
         BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
         BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_FWD or 0, bv_scan_min), S.SCAN_FWD_PER_SM),
         SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else wide_stages,

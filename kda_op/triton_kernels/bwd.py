@@ -11,13 +11,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
-from torch.profiler import record_function
 
 from .._contract import residual_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _dot_precision, _dstate_offsets, _gate_args, _intermediates_views, _layout, _sizes,
+from ._host import (_cdiv, _pow2, _range, _INTERPRET, _dot_precision, _dstate_offsets, _gate_args, _intermediates_views, _layout, _sizes,
                     _steep_dot_precision)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
@@ -73,7 +71,7 @@ def kda_bwd_triton(
     if intermediates is not None and intermediates.numel() > 0:
         x = _intermediates_views(intermediates, _layout(q, v, cu_seqlens)[0])
     else:
-        with record_function("kda_op::bwd::intra_recompute"):
+        with _range("kda_op::bwd::intra_recompute"):
             x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=True, gate=gate)
     gam, akk, aqk, tm, steep = x["gam"], x["akk"], x["aqk"], x["tm"], x["steep"]
 
@@ -91,8 +89,8 @@ def kda_bwd_triton(
     dh0 = torch.empty(s["NSEQ"], HV, K, V, **f32) if initial_state is not None else empty()
     dht_arg = dht.contiguous() if dht is not None else dup  # a stand-in, never read without HAS_DHT
     dh0_arg = dh0 if initial_state is not None else dup  # likewise without HAS_DH0
-    with record_function("kda_op::bwd::state_scan"):
-        kda_state_bwd_prep_kernel[(triton.cdiv(V, s["BV"]), NC, B * HV)](
+    with _range("kda_op::bwd::state_scan"):
+        kda_state_bwd_prep_kernel[(_cdiv(V, s["BV"]), NC, B * HV)](
             x["qg"], x["w"], x["u"], aqk, chunk_states, do,
             up, dup, dchunk_states,
             *s["VL_CHUNK"], ds_offsets, T, NC,
@@ -100,7 +98,7 @@ def kda_bwd_triton(
             HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             HAS_DH0=initial_state is not None, COMPACT=compact, num_warps=8,
         )
-        kda_state_bwd_kernel[(triton.cdiv(V, s["BV_SCAN"]), s["NSEQ"] * HV)](
+        kda_state_bwd_kernel[(_cdiv(V, s["BV_SCAN"]), s["NSEQ"] * HV)](
             x["kr"], x["w"], gam, dht_arg,
             dup, dchunk_states, dh0_arg,
             *s["VL_SEQ"], ds_offsets, T, NC,
@@ -117,11 +115,11 @@ def kda_bwd_triton(
     dk_e = torch.empty(B, T, HV, K, **f32)
     dgam = torch.empty(B, T, HV, K, **f32)
     dgam_last = torch.empty(B, NC, HV, K, **f32)
-    NS = triton.cdiv(K, S.BKS_W)
+    NS = _cdiv(K, S.BKS_W)
     # per row, not per chunk slot: a third of the slots' rows at 2048 packed sequences of 1-64 tokens
     dtm_part = torch.empty(B, T, HV, NS, BT, **f32)
     dbeta_part = torch.empty(B, T, HV, NS, **f32)
-    with record_function("kda_op::bwd::intra_through_w"):
+    with _range("kda_op::bwd::intra_through_w"):
         kda_intra_bwd_w_kernel[(NS, NC, B * HV)](
             q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
             dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
@@ -136,7 +134,7 @@ def kda_bwd_triton(
     daqk = torch.empty(B, T, HV, BT, **f32)
     dv = torch.empty_like(v)
     dbeta = torch.empty_like(beta)
-    with record_function("kda_op::bwd::intra"):
+    with _range("kda_op::bwd::intra"):
         kda_intra_bwd_kernel[(NC, B * HV)](
             v, beta, akk, tm, up, dup, do, dtm_part, dbeta_part,
             dv, dbeta, dakk, daqk,
@@ -146,7 +144,7 @@ def kda_bwd_triton(
         )
     del dup, up, dtm_part, dbeta_part
     dg = torch.empty_like(g)
-    with record_function("kda_op::bwd::intra_through_a"):
+    with _range("kda_op::bwd::intra_through_a"):
         common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, STEEP_DOT_PREC=_steep_dot_precision(q.dtype),
                       MAX_SPLIT=MAX_SPLIT, BLOCK_REFS=bool(S.STEEP_BLOCK_REFS),
                       ROW_BLOCK_DOTS=bool(S.INTRA_BWD_A_ROW_BLOCK_DOTS))
@@ -162,26 +160,26 @@ def kda_bwd_triton(
             if S.BKD_A != S.BKD:
                 raise ValueError(f"settings.INTRA_BWD_A_ONE_LAUNCH needs BKD_A == BKD (one K slice per program), "
                                  f"got {S.BKD_A} and {S.BKD}")
-            kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD), NC, B * HV)](
+            kda_intra_bwd_a_kernel[(_cdiv(K, S.BKD), NC, B * HV)](
                 *args, **common, **flags, BKD=S.BKD, STEEP=False, ONE_LAUNCH=True, num_warps=S.INTRA_BWD_A_WARPS,
             )
         else:
-            kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD_A), NC, B * HV)](
+            kda_intra_bwd_a_kernel[(_cdiv(K, S.BKD_A), NC, B * HV)](
                 *args, **common, **flags, BKD=S.BKD_A, STEEP=False, num_warps=S.INTRA_BWD_A_WARPS,
             )
-            kda_intra_bwd_a_kernel[(triton.cdiv(K, S.BKD), NC, B * HV)](
+            kda_intra_bwd_a_kernel[(_cdiv(K, S.BKD), NC, B * HV)](
                 *args, **common, **flags, BKD=S.BKD, STEEP=True, num_warps=4,
             )
         dA_log = empty() if A_log is None else dla_part.sum((0, 1, 3)).to(A_log.dtype)
         ddt_bias = empty() if dt_bias is None else ddt_part.sum((0, 1)).reshape(HV * K).to(dt_bias.dtype)
     del dakk, daqk, dgam, dgam_last, gate_parts, ddt_part, dla_part, args
-    with record_function("kda_op::bwd::gva_reduce"):
+    with _range("kda_op::bwd::gva_reduce"):
         # GVA: sum the G value heads of each key head, scale dq, cast: one pass.
         dq = torch.empty_like(q)
         dk = torch.empty_like(k)
         R = B * T * H
-        kda_gva_reduce_kernel[(triton.cdiv(R, S.GVA_ROWS),)](
-            dq_e, dk_e, dq, dk, scale, R, G=G, K=K, BR=S.GVA_ROWS, BK=triton.next_power_of_2(K), num_warps=4,
+        kda_gva_reduce_kernel[(_cdiv(R, S.GVA_ROWS),)](
+            dq_e, dk_e, dq, dk, scale, R, G=G, K=K, BR=S.GVA_ROWS, BK=_pow2(K), num_warps=4,
         )
     return dq, dk, dv, dg, dbeta, dh0.to(dh0_dtype), dA_log, ddt_bias
 
@@ -211,9 +209,9 @@ def kda_prep_bwd_triton(q_out: Tensor, k_out: Tensor, q_rstd: Tensor, k_rstd: Te
         dbeta, dbeta_out = empty(), empty()
     R = B * T * H
     if R > 0:
-        kda_prep_bwd_kernel[(triton.cdiv(R, S.PREP_ROWS),)](
+        kda_prep_bwd_kernel[(_cdiv(R, S.PREP_ROWS),)](
             q_out, k_out, q_rstd, k_rstd, beta, dq_out, dk_out, dbeta_out, dq, dk, dbeta, R, float(beta_scale),
-            K=K, G=G, BK=triton.next_power_of_2(K), BR=S.PREP_ROWS, BB=triton.next_power_of_2(S.PREP_ROWS * G), L2NORM=qk_l2norm, SIGMOID=beta_scale > 0,
+            K=K, G=G, BK=_pow2(K), BR=S.PREP_ROWS, BB=_pow2(S.PREP_ROWS * G), L2NORM=qk_l2norm, SIGMOID=beta_scale > 0,
             num_warps=S.PREP_WARPS,
         )
     return dq, dk, dbeta

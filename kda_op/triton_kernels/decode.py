@@ -9,11 +9,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
 
 from . import settings as S
-from ._host import _check_grid, _check_offsets, _gate_args
+from ._host import _cdiv, _pow2, _check_grid, _check_offsets, _gate_args
 from .recurrent_fwd import kda_recurrent_fwd_kernel
 
 
@@ -49,11 +48,11 @@ def kda_recurrent_fwd_triton(
         ht = final_state_out
     if N * HV == 0:
         return o, ht
-    BK = max(16, triton.next_power_of_2(K))
+    BK = max(16, _pow2(K))
     # Small V blocks: more programs in flight to hide the state's memory traffic.
-    BV = min(S.RECURRENT_BV, max(16, triton.next_power_of_2(V)))
+    BV = min(S.RECURRENT_BV, max(16, _pow2(V)))
     ga = _gate_args(gate, g)
-    kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+    kda_recurrent_fwd_kernel[(_cdiv(V, BV), N * HV)](
         q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
         q if cu_seqlens is None else cu_seqlens.contiguous(), scale, T, H, HV, q, q, 1,
         K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
@@ -83,10 +82,10 @@ def kda_recurrent_pool_triton(
     if N * HV == 0:
         return o
     slots = ssm_state_indices.contiguous()
-    BK = max(16, triton.next_power_of_2(K))
-    BV = min(S.RECURRENT_BV, max(16, triton.next_power_of_2(V)))
+    BK = max(16, _pow2(K))
+    BV = min(S.RECURRENT_BV, max(16, _pow2(V)))
     ga = _gate_args(gate, g)
-    kda_recurrent_fwd_kernel[(triton.cdiv(V, BV), N * HV)](
+    kda_recurrent_fwd_kernel[(_cdiv(V, BV), N * HV)](
         q, k, v, g, beta, pool, o, pool, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
         q if cu_seqlens is None else cu_seqlens.contiguous(), scale, T, H, HV,
         slots, slots if num_accepted_tokens is None else num_accepted_tokens.contiguous(),

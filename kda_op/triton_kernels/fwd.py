@@ -12,14 +12,12 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import triton
 from torch import Tensor
-from torch.profiler import record_function
 
 from ..reference import L2NORM_EPS
 from .._contract import aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _gate_args, _SERVES, _dot_precision, _intermediates_views, _kernel, _layout, _sizes,
+from ._host import (_cdiv, _pow2, _range, _INTERPRET, _gate_args, _SERVES, _dot_precision, _intermediates_views, _kernel, _layout, _sizes,
                     _steep_dot_precision, _zero_alignment_gaps)
 from .decode import kda_recurrent_fwd_triton
 from .gam_fwd import kda_gam_fwd_kernel
@@ -94,7 +92,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, IS_VARLEN=s["IS_VARLEN"])
     regs = dict(maxnreg=S.INTRA_A_FWD_MAXNREG) if S.INTRA_A_FWD_MAXNREG else {}
     gam_kernel = bool(S.INTRA_GAM_KERNEL) or gate is not None
-    NKB = triton.cdiv(K, S.BKG)
+    NKB = _cdiv(K, S.BKG)
     ga = _gate_args(gate, g)
     # gam_fwd's spreads of each chunk (per K block), for intra_a_fwd's choice of path,
     # unless fla's gate makes every log decay <= 0 (the softplus form, or lower_bound
@@ -117,7 +115,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
             SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
             NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
-            BKR=min(128, triton.next_power_of_2(K)), QG_FIRST=qg_first, KR_LAST=kr_last, **tiling,
+            BKR=min(128, _pow2(K)), QG_FIRST=qg_first, KR_LAST=kr_last, **tiling,
             num_warps=S.INTRA_A_FWD_WARPS, **regs,
         )
     if not _no_steep_launch(ga):
@@ -171,7 +169,7 @@ def kda_fwd_triton(
     # chunked intermediates (or the sequences are packed: their chunk states are
     # laid out per sequence).
     if 0 < T <= S.RECURRENT_MAX_T and not keep_intermediates and cu_seqlens is None:
-        with record_function("kda_op::fwd::recurrent"):
+        with _range("kda_op::fwd::recurrent"):
             o, ht = kda_recurrent_fwd_triton(q, k, v, g, beta, scale, h0, gate=gate)
         if h0 is None:
             chunk_states[:, 0].zero_()
@@ -192,7 +190,7 @@ def kda_fwd_triton(
     unread_skips = bool(S.SKIP_UNREAD) and not keep_intermediates
     first_from_u = unread_skips and s["IS_VARLEN"] and h0 is None
     if NC > 0 and T > 0:
-        with record_function("kda_op::fwd::intra"):
+        with _range("kda_op::fwd::intra"):
             kept = _intermediates_views(intermediates, layout) if keep_intermediates else None
             x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept, gate=gate,
                            qg_first=not unread_skips or h0 is not None, w_first=not first_from_u,
@@ -201,11 +199,11 @@ def kda_fwd_triton(
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     up = kept["up"] if keep_intermediates and NC > 0 and T > 0 else torch.empty(B, T, HV, V, device=q.device,
                                                                                   dtype=residual_dtype(q.dtype))
-    with record_function("kda_op::fwd::state_scan"):
+    with _range("kda_op::fwd::state_scan"):
         _state_scan_fwd(x, h0, up, chunk_states, ht if output_final_state else None, s, prec, traced=False,
                         first_up=not first_from_u, skip_unkept_state=bool(S.SKIP_UNREAD))
     if NC > 0 and T > 0:
-        with record_function("kda_op::fwd::output"):
+        with _range("kda_op::fwd::output"):
             _output_fwd(x, up, chunk_states, o, s, prec, traced=False, has_h0=h0 is not None,
                         first_from_u=first_from_u)
     return o, ht, chunk_states, intermediates
@@ -222,7 +220,7 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
     ``skip_unkept_state``: a one-chunk sequence forms no state that nothing keeps."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     ht_or_stand_in = chunk_states if ht is None else ht
-    _kernel(kda_state_fwd_kernel, traced)[(triton.cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
+    _kernel(kda_state_fwd_kernel, traced)[(_cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
         x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht_or_stand_in, up, chunk_states,
         ht_or_stand_in, *s["VL_SEQ"], T, NC, s["H"], HV, ht_or_stand_in if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
@@ -233,8 +231,8 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
     )
     if s["IS_VARLEN"]:
         row = HV * K * V
-        blocks = min(16, triton.cdiv(row, 1024))
-        _kernel(kda_zero_slots_kernel, traced)[(s["NCS"], triton.cdiv(row, 1024 * blocks))](
+        blocks = min(16, _cdiv(row, 1024))
+        _kernel(kda_zero_slots_kernel, traced)[(s["NCS"], _cdiv(row, 1024 * blocks))](
             chunk_states, s["FIRST_UNUSED_STATE"], row, BLOCK=1024, BLOCKS=blocks, num_warps=4,
         )
 
@@ -247,7 +245,7 @@ def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, p
     ``first_from_u``: the first chunks' U' read from U (the scan's first_up=False)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     bv_out = S.BV_OUTPUT or s["BV"]
-    _kernel(kda_output_fwd_kernel, traced)[(triton.cdiv(V, bv_out), NC, B * HV)](
+    _kernel(kda_output_fwd_kernel, traced)[(_cdiv(V, bv_out), NC, B * HV)](
         x["qg"], x["aqk"], up, x["u"], chunk_states, o, *s["VL_CHUNK"], T, NC, s["H"], HV,
         o if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
@@ -335,9 +333,9 @@ def kda_prep_fwd_triton(q: Tensor, k: Tensor, beta: Tensor, qk_l2norm: bool, bet
     beta_out = torch.empty_like(beta) if beta_scale > 0 else q.new_empty(0)
     R = B * T * H
     if R > 0:
-        kda_prep_fwd_kernel[(triton.cdiv(R, S.PREP_ROWS),)](
+        kda_prep_fwd_kernel[(_cdiv(R, S.PREP_ROWS),)](
             q, k, beta, q_out, k_out, beta_out, q_rstd, k_rstd, R, L2NORM_EPS, float(beta_scale),
-            K=K, G=G, BK=triton.next_power_of_2(K), BR=S.PREP_ROWS, BB=triton.next_power_of_2(S.PREP_ROWS * G), L2NORM=qk_l2norm, SIGMOID=beta_scale > 0,
+            K=K, G=G, BK=_pow2(K), BR=S.PREP_ROWS, BB=_pow2(S.PREP_ROWS * G), L2NORM=qk_l2norm, SIGMOID=beta_scale > 0,
             num_warps=S.PREP_WARPS,
         )
     return q_out, k_out, beta_out, q_rstd, k_rstd
