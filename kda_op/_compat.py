@@ -121,9 +121,11 @@ def contiguous_grad(x):
     return _ContiguousGrad.apply(x)
 
 
+# torch has no public query of whether a profiler records; record_function asks this one
+# (torch 2.11 and 2.13). Where it is missing, "always": the ranges are then always recorded.
+_profiler_query = getattr(torch._C._autograd, "_profiler_enabled", lambda: True)
+
+
 def profiler_enabled() -> bool:
-    """Whether a torch profiler is recording now. torch has no public query; its
-    record_function asks ``torch._C._autograd._profiler_enabled`` (torch 2.11 and
-    2.13). Where that is missing, True: the ranges are then always recorded."""
-    query = getattr(torch._C._autograd, "_profiler_enabled", None)
-    return True if query is None else bool(query())
+    """Whether a torch profiler is recording now (True where torch cannot say)."""
+    return bool(_profiler_query())

@@ -1058,9 +1058,9 @@ def test_varlen_index_matches_a_loop_over_the_sequences(lengths, has_initial_sta
     want_index, want_seq, chunk = [], [], 0
     for n, length in enumerate(lengths):
         want_seq.append([chunk, starts[n]])
-        for c in range(-(-length // CHUNK_SIZE)):
-            want_index.append([n, c, starts[n] + c])
-        chunk += -(-length // CHUNK_SIZE)
+        chunks = -(-length // CHUNK_SIZE)
+        want_index += [[n, c, starts[n] + c] for c in range(chunks)]
+        chunk += chunks
     assert NCB == varlen_chunk_slots(T, len(lengths)) >= len(want_index)
     want_index += [[-1, 0, -1]] * (NCB - len(want_index))
     assert chunk_index.dtype == torch.int32 and chunk_index.is_contiguous()

@@ -17,6 +17,7 @@ import triton
 from torch import Tensor
 from torch.profiler import record_function
 
+from .._compat import profiler_enabled
 from .._contract import varlen_chunk_slots, varlen_state_slots, intermediates_layout, scan_operand_dtype
 from . import settings as S
 from .settings import BT
@@ -46,8 +47,6 @@ def _pow2(n):
 def _range(name: str):
     """A profiler range (``torch.profiler.record_function``) while a profiler runs,
     else nothing (profiling/ reads the ranges; an idle range costs host time)."""
-    from .._compat import profiler_enabled
-
     return record_function(name) if profiler_enabled() else contextlib.nullcontext()
 
 

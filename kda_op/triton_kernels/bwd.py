@@ -15,8 +15,8 @@ from torch import Tensor
 
 from .._contract import residual_dtype
 from . import settings as S
-from ._host import (_cdiv, _pow2, _range, _INTERPRET, _dot_precision, _dstate_offsets, _gate_args, _intermediates_views, _layout, _sizes,
-                    _steep_dot_precision)
+from ._host import (_INTERPRET, _cdiv, _dot_precision, _dstate_offsets, _gate_args, _intermediates_views, _layout,
+                    _pow2, _range, _sizes, _steep_dot_precision)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from . import settings as S
-from ._host import _cdiv, _pow2, _check_grid, _check_offsets, _gate_args
+from ._host import _cdiv, _check_grid, _check_offsets, _gate_args, _pow2
 from .recurrent_fwd import kda_recurrent_fwd_kernel
 
 

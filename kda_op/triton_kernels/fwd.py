@@ -17,8 +17,8 @@ from torch import Tensor
 from ..reference import L2NORM_EPS
 from .._contract import aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
 from . import settings as S
-from ._host import (_cdiv, _pow2, _range, _INTERPRET, _gate_args, _SERVES, _dot_precision, _intermediates_views, _kernel, _layout, _sizes,
-                    _steep_dot_precision, _zero_alignment_gaps)
+from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _gate_args, _intermediates_views, _kernel, _layout,
+                    _pow2, _range, _sizes, _steep_dot_precision, _zero_alignment_gaps)
 from .decode import kda_recurrent_fwd_triton
 from .gam_fwd import kda_gam_fwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
