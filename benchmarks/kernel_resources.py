@@ -24,12 +24,12 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import gam_fwd, intra_a_fwd, prep, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd
+from kda_op.triton_kernels import gam_fwd, intra_a_fwd, prep, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, varlen_index
 from kda_op import _contract
 from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
 from kda_op.triton_kernels import settings as S
-from kda_op.triton_kernels._host import _dot_precision, _sizes, _steep_dot_precision
+from kda_op.triton_kernels._host import _INDEX_SEQS, _INDEX_SLOTS, _dot_precision, _sizes, _steep_dot_precision
 from kda_op.triton_kernels.settings import BC, BKD, BKD_A, BT, MAX_SPLIT
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -216,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
         (state_bwd.kda_state_bwd_kernel,
          dict(**vl_seq, kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=dsc, dh0=f32, ds_offsets="*i64",
               **ints),
-         dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), S.SCAN_WARPS, s["SCAN_STAGES"]),
+         dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec,
+              PREFETCH=bool(S.SCAN_BWD_PREFETCH)), S.SCAN_WARPS, s["SCAN_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
          dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, ds_offsets="*i64", scale="fp32",
@@ -252,6 +253,13 @@ def main(argv: list[str] | None = None) -> int:
               dbeta=x, R="i32", beta_scale="fp32"),
          dict(K=K, G=4, BK=s["BK"], BR=S.PREP_ROWS, BB=4 * S.PREP_ROWS, L2NORM=True, SIGMOID=True), S.PREP_WARPS, 3),
     ]
+    if args.varlen:
+        # the packed sequences' chunk index (_host._varlen_index), cu_seqlens int64 or int32
+        for cu in ("*i64", "*i32"):
+            runs.append((varlen_index.kda_varlen_index_kernel,
+                         dict(cu_seqlens=cu, chunk_index="*i32", seq_offsets="*i64", first_unused="*i64",
+                              dstate_offsets="*i64", N="i32", NCB="i32"),
+                         dict(BT=BT, BS=_INDEX_SLOTS, BN=_INDEX_SEQS, HAS_H0=True), 4, 3))
     if args.varlen or S.INTRA_BWD_A_ONE_LAUNCH:
         # the backward through the A's in one launch (settings.INTRA_BWD_A_ONE_LAUNCH;
         # compiled with --varlen while it is off: its compile is the longest)

@@ -8,6 +8,12 @@ the GPU machine is bound by this host path (benchmarks/NOTES.md, seventeenth ses
     python profiling/host_time.py [varlen-mixed-T8192 | varlen-2048x1-64] [--profile tottime|cumulative] [--aten]
 
 For this process only, it registers the CUDA host code as the ops' CPU kernels.
+
+On the GPU machine, ``--device cuda`` runs the real thing instead (nothing stubbed; fla beside
+it with ``--fla``): per step the time until the call returns (host: argument checks, dispatch,
+allocations, Triton's launchers; the GPU queue is drained between steps, so it never waits
+on a full queue) and the wall time of back-to-back steps; ``--profile`` then profiles 20 of
+our steps there.
 """
 
 from __future__ import annotations
@@ -56,7 +62,12 @@ def main() -> int:
     parser.add_argument("shape", nargs="?", default="varlen-mixed-T8192", choices=["varlen-mixed-T8192", "varlen-2048x1-64"])
     parser.add_argument("--profile", choices=["tottime", "cumulative"], help="cProfile 50 steps, sorted so")
     parser.add_argument("--aten", action="store_true", help="torch.profiler's CPU table of 5 steps")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                        help="cpu: the CUDA host code with launches stubbed; cuda: the real thing")
+    parser.add_argument("--fla", action="store_true", help="with --device cuda: fla's chunk_kda too")
     args = parser.parse_args()
+    if args.device == "cuda":
+        return _on_cuda(args)
     launches: list = []
     _serve_cpu_with_cuda_host_code(launches)
 
@@ -112,6 +123,69 @@ def main() -> int:
             for _ in range(5):
                 forward_backward()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    return 0
+
+
+def _on_cuda(args) -> int:
+    """Host and wall time per step on the GPU, ours (and fla's), forward and
+    forward+backward, fla's layer flags, the same inputs for both."""
+    import statistics
+
+    from bench_chunk_kda import make_layer_inputs
+
+    lengths = varlen_lengths(args.shape)
+    T = sum(lengths)
+    cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+    inputs, params, do = make_layer_inputs(1, T, VARLEN_H, VARLEN_H)
+    q, k, v, g, beta = inputs
+    leaves = list(inputs) + list(params.values())
+    kw = dict(LAYER_FLAGS, **params, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu(), output_final_state=False)
+    impls = {"ours": kda_op.chunk_kda}
+    if args.fla:
+        from fla.ops.kda import chunk_kda as fla_chunk_kda
+
+        impls["fla"] = fla_chunk_kda
+    steps = {}
+    for label, fn in impls.items():
+        def forward(fn=fn):
+            with torch.no_grad():
+                return fn(q, k, v, g, beta, **kw)
+
+        def forward_backward(fn=fn):
+            for x in leaves:
+                x.grad = None
+            o, _ = fn(q, k, v, g, beta, **kw)
+            o.backward(do)
+
+        steps[label] = (forward, forward_backward)
+        for step in (forward, forward_backward):
+            for _ in range(3):  # compiles (and fla's autotuning)
+                step()
+    torch.cuda.synchronize()
+    for label, pair in steps.items():
+        for step in pair:
+            host = []
+            for _ in range(30):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                step()
+                host.append((time.perf_counter() - start) * 1e3)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(30):
+                step()
+            torch.cuda.synchronize()
+            wall = (time.perf_counter() - start) / 30 * 1e3
+            print(f"{args.shape} {label} {step.__name__}: host {statistics.median(host):.3f} ms (median of 30, "
+                  f"min {min(host):.3f}), wall {wall:.3f} ms a step back to back", flush=True)
+    if args.profile:
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(20):
+            steps["ours"][1]()
+        profiler.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(profiler).sort_stats(args.profile).print_stats(60)
     return 0
 
 

@@ -105,14 +105,14 @@ def test_cuda_trace_has_kernel_stages(tmp_path):
 
 def test_host_time_runs_the_cuda_host_code_with_stubbed_launches():
     """profiling/host_time.py (the host path alone, no GPU): the chunked kernels' host
-    code runs on CPU tensors, every launch of the forward (prep, gate, the A's, W/U,
-    scan, unused state slots, output) and of the backward stubbed, and it prints both
-    times."""
+    code runs on CPU tensors, every launch of the forward (prep, the varlen index, gate,
+    the A's, W/U, scan, unused state slots, output) and of the backward (the index again)
+    stubbed, and it prints both times."""
     done = subprocess.run([sys.executable, str(REPO / "profiling" / "host_time.py"), "varlen-mixed-T8192"],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert lines[0].startswith("varlen-mixed-T8192 forward: ") and "7 Triton launches" in lines[0], lines
-    assert lines[1].startswith("varlen-mixed-T8192 forward_backward: ") and "14 Triton launches" in lines[1], lines
+    assert lines[0].startswith("varlen-mixed-T8192 forward: ") and "8 Triton launches" in lines[0], lines
+    assert lines[1].startswith("varlen-mixed-T8192 forward_backward: ") and "16 Triton launches" in lines[1], lines
     for line in lines:
         assert float(line.split(": ")[1].split(" ms")[0]) > 0

@@ -656,7 +656,7 @@ def test_triton_compact_dstates_give_the_same_bits(gated, monkeypatch):
     no access leaves the smaller buffer. Lengths: empty ones, one chunk, a full chunk,
     two and four chunks, the longest last (its slots the buffer's end)."""
     from kda_op.ops import _reference_bwd, _reference_fwd
-    from kda_op.triton_kernels import bwd, decode, fwd
+    from kda_op.triton_kernels import _host, bwd, decode, fwd
     from kda_op.triton_kernels import settings
 
     lengths = [0, 1, 64, 65, 0, 130, 3, 250]
@@ -671,13 +671,13 @@ def test_triton_compact_dstates_give_the_same_bits(gated, monkeypatch):
         checker = None
         if compact and DEVICE == "cpu":
             from bounds_check import BoundsChecker
-            checker = BoundsChecker().install(monkeypatch, fwd, bwd, decode)
+            # _host: the varlen index kernel's outputs, allocated there
+            checker = BoundsChecker().install(monkeypatch, fwd, bwd, decode, _host)
             for x in args + [do] + [x for x in (gate or ()) if isinstance(x, torch.Tensor)]:
                 checker.track(x)
-            # the index tensors the host code makes with other torch ops than empty / zeros
+            # what the host code makes with other torch ops than empty / zeros
             for module in (fwd, bwd):
                 monkeypatch.setattr(module, "_sizes", _tracking(module._sizes, checker))
-            monkeypatch.setattr(bwd, "_dstate_offsets", _tracking(bwd._dstate_offsets, checker))
         cu_d = cu.to(DEVICE)
         if checker is not None:
             checker.track(cu_d)
@@ -1041,32 +1041,43 @@ def test_triton_row_block_dots_match_the_masked_dots(one_launch, monkeypatch):
             _rel_close(a, b, name)
 
 
+@pytest.mark.parametrize("traced", [False, True])
 @pytest.mark.parametrize("has_initial_state", [True, False])
-@pytest.mark.parametrize("lengths", [[1, 63, 0, 65, 64, 2, 130], [0, 0, 200], [129, 0], [5]])
-def test_varlen_index_matches_a_loop_over_the_sequences(lengths, has_initial_state):
-    """_host._varlen_index (torch ops on the device: the chunk slots' sequence, chunk and
-    state slot; each sequence's first chunk and state slot; the first unused state slot)
-    against a plain loop over the lengths and _contract.varlen_state_offsets, with empty
-    sequences first, inside and last, and slots left over past the last chunk."""
+@pytest.mark.parametrize("lengths", [[1, 63, 0, 65, 64, 2, 130], [0, 0, 200], [129, 0], [5], [], "many"])
+def test_varlen_index_matches_a_loop_over_the_sequences(lengths, has_initial_state, traced):
+    """_host._varlen_index (the chunk slots' sequence, chunk and state slot; each
+    sequence's first chunk and state slot; the first unused state slot; each
+    sequence's first compact dS_C slot), both ways: the Triton kernel of eager calls
+    and the torch ops of the traced export op, against a plain loop over the lengths
+    and _contract.varlen_state_offsets, with empty sequences first, inside and last,
+    slots left over past the last chunk, no sequence at all, and 300 random lengths
+    (more sequences than the kernel's block of 128, chunk ranges across programs)."""
     from kda_op._contract import varlen_chunk_slots, varlen_state_offsets
     from kda_op.triton_kernels._host import _varlen_index
 
-    cu = torch.tensor([0] + lengths, device=DEVICE).cumsum(0)
+    if lengths == "many":
+        gen = torch.Generator().manual_seed(11)
+        lengths = torch.randint(0, 200, (300,), generator=gen).tolist()
+        lengths[7] = lengths[150] = 0
+    cu = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(DEVICE)
     T = int(cu[-1])
-    chunk_index, seq_offsets, first_unused, NCB = _varlen_index(cu, T, has_initial_state)
+    chunk_index, seq_offsets, first_unused, NCB, dstate_offsets = _varlen_index(cu, T, has_initial_state, traced)
     starts, want_unused = varlen_state_offsets(lengths, has_initial_state)
-    want_index, want_seq, chunk = [], [], 0
+    want_index, want_seq, want_dstate, chunk, compact = [], [], [], 0, 0
     for n, length in enumerate(lengths):
         want_seq.append([chunk, starts[n]])
+        want_dstate.append(compact)
         chunks = -(-length // CHUNK_SIZE)
         want_index += [[n, c, starts[n] + c] for c in range(chunks)]
         chunk += chunks
+        compact += max(chunks - 1, 0)
     assert NCB == varlen_chunk_slots(T, len(lengths)) >= len(want_index)
     want_index += [[-1, 0, -1]] * (NCB - len(want_index))
     assert chunk_index.dtype == torch.int32 and chunk_index.is_contiguous()
     assert chunk_index.tolist() == want_index
-    assert seq_offsets.tolist() == want_seq
+    assert seq_offsets.dtype == torch.int64 and seq_offsets.tolist() == (want_seq or [])
     assert first_unused.tolist() == [want_unused]
+    assert dstate_offsets.tolist() == want_dstate + [compact]
 
 
 def test_host_integer_helpers_match_triton():
@@ -1099,3 +1110,52 @@ def test_host_ranges_only_while_a_profiler_records():
     names = {e.name for e in prof.events()}
     assert "kda_op::test::recorded" in names
     assert isinstance(_range("kda_op::test::idle"), contextlib.nullcontext)
+
+
+@pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training", "packed-training-compact"])
+def test_backward_scan_prefetch_gives_the_same_bits(case, monkeypatch):
+    """settings.SCAN_BWD_PREFETCH (the backward scan loads each chunk's operands one
+    chunk ahead, no barrier): every grad bitwise that of the loop that loads them in
+    the chunk, and within fp32 rounding of the reference. Cases: equal-length
+    sequences with an initial state and dht (three chunks, a partial last one);
+    packed sequences with initial states and dht; packed without either (the last
+    chunk peeled off the loop), with a dS_C slot per chunk and compact."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import settings
+
+    if case == "batch":
+        inputs = _inputs(2, 2 * CHUNK_SIZE + 7, 1, 2, 32, 16, True, seed=5)
+        args = [inputs[n] for n in NAMES]
+        h0, cu, gate = inputs["initial_state"], None, None
+        cpu = [x.cpu() for x in args]
+        want_fwd = _reference_fwd(*cpu, None, h0.cpu())
+    else:
+        lengths = [0, 1, 64, 65, 3, 200, 0, 130]
+        cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, 31, gated=True, decay=1.0)
+        cpu = [q, k, v, g, beta]
+        args = [x.to(DEVICE) for x in cpu]
+        h0 = None
+        if case == "packed-with-states":
+            h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+        want_fwd = _reference_fwd(*cpu, None, None if h0 is None else h0.cpu(), gate, cu)
+        gate = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+        cu = cu.to(DEVICE)
+    with_dht = case in ("batch", "packed-with-states")
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(want_fwd[0].shape, generator=gen).to(DEVICE)
+    dht = torch.randn(want_fwd[1].shape, generator=gen).to(DEVICE) if with_dht else None
+    gate_ref = None if gate is None else tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in gate)
+    want = _reference_bwd(*cpu, None, None if h0 is None else h0.cpu(), want_fwd[2], do.cpu(),
+                          None if dht is None else dht.cpu(), gate_ref, None if cu is None else cu.cpu())
+    monkeypatch.setattr(settings, "COMPACT_DSTATES", int(case == "packed-training-compact"))
+    results = []
+    for prefetch in (0, 1):
+        monkeypatch.setattr(settings, "SCAN_BWD_PREFETCH", prefetch)
+        _, _, cs, kept = kda_fwd_triton(*args, None, h0, True, gate=gate, cu_seqlens=cu,
+                                        output_final_state=with_dht)
+        results.append(kda_bwd_triton(*args, None, h0, cs, do, dht, kept, gate=gate, cu_seqlens=cu))
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    for name, a, b, ref in zip(names, *results, want):
+        assert torch.equal(a, b), name
+        if ref.numel():
+            _rel_close(b, ref, name)

@@ -21,6 +21,7 @@ from .._compat import profiler_enabled
 from .._contract import varlen_chunk_slots, varlen_state_slots, intermediates_layout, scan_operand_dtype
 from . import settings as S
 from .settings import BT
+from .varlen_index import kda_varlen_index_kernel
 
 
 # Under Triton's interpreter (CPU CI) bf16 dots are emulated (_dot.py).
@@ -159,14 +160,43 @@ class _EveryArgument:
         return run
 
 
-def _varlen_index(cu_seqlens: Tensor, T: int, has_initial_state: bool = True) -> tuple[Tensor, Tensor, Tensor, int]:
-    """For N packed sequences (``cu_seqlens`` [N + 1]) on their device, with torch
-    ops only (no host sync, so a CUDA graph can capture it): ``(chunk_index
-    [NCB, 3] int32, seq_offsets [N, 2] int64, first_unused_state [1] int64, NCB)``
-    as _indexing.py reads them, NCB = ``varlen_chunk_slots(T, N)``: per chunk slot
-    its sequence, its chunk in the sequence and the slot of the state entering it;
-    per sequence its first chunk's global index and the slot of the state entering
-    it, in the chunk states' layout (``_contract.varlen_state_offsets``)."""
+def _varlen_index(cu_seqlens: Tensor, T: int, has_initial_state: bool = True,
+                  traced: bool = False) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
+    """For N packed sequences (``cu_seqlens`` [N + 1]) on their device, without a
+    host sync (so a CUDA graph can capture it): ``(chunk_index [NCB, 3] int32,
+    seq_offsets [N, 2] int64, first_unused_state [1] int64, NCB, dstate_offsets
+    [N + 1] int64)`` as _indexing.py reads them, NCB = ``varlen_chunk_slots(T, N)``:
+    per chunk slot its sequence, its chunk in the sequence and the slot of the state
+    entering it; per sequence its first chunk's global index and the slot of the
+    state entering it, in the chunk states' layout (``_contract.varlen_state_offsets``);
+    each sequence's first compact dS_C slot (``_dstate_offsets``).
+
+    One Triton launch (varlen_index.py); with ``traced`` (the export op, which
+    inductor compiles) torch ops instead, some 25 of them."""
+    if traced:
+        return (*_varlen_index_torch(cu_seqlens, T, has_initial_state), _dstate_offsets(cu_seqlens))
+    N = cu_seqlens.shape[0] - 1
+    NCB = varlen_chunk_slots(T, N)
+    device = cu_seqlens.device
+    chunk_index = torch.empty(NCB, 3, device=device, dtype=torch.int32)
+    seq_offsets = torch.empty(N, 2, device=device, dtype=torch.int64)
+    first_unused = torch.empty(1, device=device, dtype=torch.int64)
+    dstate_offsets = torch.empty(N + 1, device=device, dtype=torch.int64)
+    # at least one program: it writes the per-sequence tensors and the first unused slot
+    kda_varlen_index_kernel[(max(1, _cdiv(NCB, _INDEX_SLOTS)),)](
+        cu_seqlens, chunk_index, seq_offsets, first_unused, dstate_offsets, N, NCB,
+        BT=BT, BS=_INDEX_SLOTS, BN=_INDEX_SEQS, HAS_H0=has_initial_state, num_warps=4,
+    )
+    return chunk_index, seq_offsets, first_unused, NCB, dstate_offsets
+
+
+# varlen_index.py's blocks: chunk slots a program, sequences an iteration
+_INDEX_SLOTS = 64
+_INDEX_SEQS = 128
+
+
+def _varlen_index_torch(cu_seqlens: Tensor, T: int, has_initial_state: bool = True) -> tuple[Tensor, Tensor, Tensor, int]:
+    """``_varlen_index``'s first four, with torch ops only (the traced export op)."""
     N = cu_seqlens.shape[0] - 1
     cu = cu_seqlens.to(torch.int64)
     chunks = (cu[1:] - cu[:-1] + BT - 1) // BT
@@ -207,29 +237,34 @@ def _dstate_offsets(cu_seqlens: Tensor) -> Tensor:
 
 
 def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
-           has_initial_state: bool = True) -> dict:
+           has_initial_state: bool = True, traced: bool = False) -> dict:
     """Sizes and block shapes of one call. ``scan_batch`` stands in for B when the
     scans' V block is chosen (the export op: no branch on a batch size that stays
     symbolic). ``cu_seqlens``: N packed sequences (B = 1); NC is then the chunk
     slot count, NSEQ = N the per-sequence programs, NCS the chunk states' slots
     (their layout depends on ``has_initial_state``: _contract.varlen_state_slots),
     and VL_CHUNK / VL_SEQ the index tensors the chunk-parallel / per-sequence
-    kernels take (_indexing.py; stand-ins that are never read otherwise)."""
+    kernels take (_indexing.py; stand-ins that are never read otherwise), and
+    DSTATE_OFFSETS the backward's compact dS_C offsets. ``traced``: host code that
+    inductor compiles (the export op): the index from torch ops (_varlen_index)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     _check_offsets(T, HV, K, V)
     _check_grid(B, HV, T)
     if cu_seqlens is None:
         varlen = dict(NC=_cdiv(T, BT), NSEQ=B, NCS=_cdiv(T, BT) + 1, IS_VARLEN=False,
-                      VL_CHUNK=(q, q), VL_SEQ=(q, q), FIRST_UNUSED_STATE=None, COMPACT_STATES=False)
+                      VL_CHUNK=(q, q), VL_SEQ=(q, q), FIRST_UNUSED_STATE=None, COMPACT_STATES=False,
+                      DSTATE_OFFSETS=None)
     else:
         N = cu_seqlens.shape[0] - 1
         _check_grid(N, HV, T + N * BT)
-        chunk_index, seq_offsets, first_unused, NCB = _varlen_index(cu_seqlens, T, has_initial_state)
         cu = cu_seqlens.contiguous()
+        chunk_index, seq_offsets, first_unused, NCB, dstate_offsets = _varlen_index(
+            cu, T, has_initial_state, traced=traced)
         varlen = dict(NC=NCB, NSEQ=N, NCS=varlen_state_slots(T, N, has_initial_state), IS_VARLEN=True,
                       VL_CHUNK=(cu, chunk_index), VL_SEQ=(cu, seq_offsets),
-                      FIRST_UNUSED_STATE=first_unused, COMPACT_STATES=not has_initial_state)
+                      FIRST_UNUSED_STATE=first_unused, COMPACT_STATES=not has_initial_state,
+                      DSTATE_OFFSETS=dstate_offsets)
     # Blocks of at least 32: a wrong dk was seen on the H200 with K = 32, V = 16
     # (BV = 16) that the interpreter computed right; cause not established.
     BK = max(32, _pow2(K))

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .._contract import residual_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _cdiv, _dot_precision, _dstate_offsets, _gate_args, _intermediates_views, _layout,
+from ._host import (_INTERPRET, _cdiv, _dot_precision, _gate_args, _intermediates_views, _layout,
                     _pow2, _range, _sizes, _steep_dot_precision)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
@@ -82,7 +82,7 @@ def kda_bwd_triton(
     # Packed sequences without dh0 and dht (training): each sequence's dS_C slots one
     # fewer than its chunks, T // BT in all (settings.COMPACT_DSTATES; state_bwd.py)
     compact = bool(S.COMPACT_DSTATES) and s["IS_VARLEN"] and dht is None and initial_state is None
-    ds_offsets = _dstate_offsets(cu_seqlens) if compact else dup
+    ds_offsets = s["DSTATE_OFFSETS"] if compact else dup
     dchunk_states = torch.empty(B, max(1, T // BT) if compact else NC, HV, K, V, device=q.device,
                                 dtype=torch.bfloat16 if S.BF16_DSTATES and q.dtype == torch.bfloat16 else torch.float32)
     # the initial state's grad only where there is one (empty otherwise: fla returns None)
@@ -104,7 +104,7 @@ def kda_bwd_triton(
             *s["VL_SEQ"], ds_offsets, T, NC,
             H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
             HAS_DHT=dht is not None, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None,
-            INTERPRET=_INTERPRET, COMPACT=compact,
+            INTERPRET=_INTERPRET, COMPACT=compact, PREFETCH=bool(S.SCAN_BWD_PREFETCH),
             num_warps=S.SCAN_WARPS, num_stages=s["SCAN_STAGES"],
         )
 

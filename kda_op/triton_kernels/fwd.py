@@ -301,7 +301,7 @@ def kda_fwd_triton_export(
     The same kernels with the same settings as ``kda_fwd_triton`` (up to the scans'
     V block), so the same numbers."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
-    s = _sizes(q, v, scan_batch=1, cu_seqlens=cu_seqlens, has_initial_state=initial_state is not None)
+    s = _sizes(q, v, scan_batch=1, cu_seqlens=cu_seqlens, has_initial_state=initial_state is not None, traced=True)
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     scale = K**-0.5 if scale is None else float(scale)
     f32 = dict(device=q.device, dtype=torch.float32)

@@ -189,6 +189,13 @@ BV_SCAN_MAX = 64
 SCAN_SMS = None
 SCAN_WARPS = 8
 SCAN_STAGES = 2  # where BK <= 128; one stage above
+# The backward scan (state_bwd.py) loads each chunk's operands (gam's last row, Qg^T
+# dO, Kr, W, dU') one chunk ahead, in registers carried over its loop, instead of at
+# the top of the chunk behind a barrier: on sm_90a Triton's pipeliner does not take
+# that loop's loads (the SASS is the same at one, two or three stages), so each chunk
+# waited on two rounds of global loads before its two dots. The same arithmetic, so
+# the same bits (tests/test_triton_kernels.py). 0: the loop with the barrier.
+SCAN_BWD_PREFETCH = 0
 # ... but SCAN_STAGES_WIDE_BF16 at BK = 256 with bf16 operands (bf16 inputs). On the
 # H200 (Triton 3.6) test_cuda.py's bf16 case at K = 256 gave o 7.3e-2 off the fp64
 # reference in every run at one stage (a call of the thirteenth session and twice in
