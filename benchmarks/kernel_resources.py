@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_seq, kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=dsc, dh0=f32, ds_offsets="*i64",
               **ints),
          dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec,
-              PREFETCH=bool(S.SCAN_BWD_PREFETCH)), S.SCAN_WARPS, s["SCAN_STAGES"]),
+              PREFETCH=int(S.SCAN_BWD_PREFETCH)), S.SCAN_WARPS, s["SCAN_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
          dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, ds_offsets="*i64", scale="fp32",

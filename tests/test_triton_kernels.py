@@ -1115,11 +1115,12 @@ def test_host_ranges_only_while_a_profiler_records():
 @pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training", "packed-training-compact"])
 def test_backward_scan_prefetch_gives_the_same_bits(case, monkeypatch):
     """settings.SCAN_BWD_PREFETCH (the backward scan loads each chunk's operands one
-    chunk ahead, no barrier): every grad bitwise that of the loop that loads them in
-    the chunk, and within fp32 rounding of the reference. Cases: equal-length
-    sequences with an initial state and dht (three chunks, a partial last one);
-    packed sequences with initial states and dht; packed without either (the last
-    chunk peeled off the loop), with a dS_C slot per chunk and compact."""
+    chunk ahead, no barrier; or, 2, all of them at the top of the chunk): every grad
+    bitwise that of the loop that loads them where they are used, and within fp32
+    rounding of the reference. Cases: equal-length sequences with an initial state
+    and dht (three chunks, a partial last one); packed sequences with initial states
+    and dht; packed without either (the last chunk peeled off the loop), with a dS_C
+    slot per chunk and compact."""
     from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import settings
 
@@ -1149,13 +1150,13 @@ def test_backward_scan_prefetch_gives_the_same_bits(case, monkeypatch):
                           None if dht is None else dht.cpu(), gate_ref, None if cu is None else cu.cpu())
     monkeypatch.setattr(settings, "COMPACT_DSTATES", int(case == "packed-training-compact"))
     results = []
-    for prefetch in (0, 1):
+    for prefetch in (0, 1, 2):
         monkeypatch.setattr(settings, "SCAN_BWD_PREFETCH", prefetch)
         _, _, cs, kept = kda_fwd_triton(*args, None, h0, True, gate=gate, cu_seqlens=cu,
                                         output_final_state=with_dht)
         results.append(kda_bwd_triton(*args, None, h0, cs, do, dht, kept, gate=gate, cu_seqlens=cu))
     names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for name, a, b, ref in zip(names, *results, want):
-        assert torch.equal(a, b), name
+    for name, a, b, c, ref in zip(names, *results, want):
+        assert torch.equal(a, b) and torch.equal(a, c), name
         if ref.numel():
             _rel_close(b, ref, name)

@@ -202,6 +202,9 @@ SCAN_STAGES = 2  # where BK <= 128; one stage above
 # test_triton_kernels.py, the varlen bench rows; the interpreter's bounds check finds no
 # access outside its tensors at the shapes it runs. Off until that is understood (sm_90a
 # SASS: 255 registers and 144 B of spills against 239 and none without it).
+# 2 (built after the device time, untimed): the chunk's own five loads issued together at
+# the top of its iteration, then the barrier and the store: one round of load latency a
+# chunk instead of two, no registers carried over the loop.
 SCAN_BWD_PREFETCH = 0
 # ... but SCAN_STAGES_WIDE_BF16 at BK = 256 with bf16 operands (bf16 inputs). On the
 # H200 (Triton 3.6) test_cuda.py's bf16 case at K = 256 gave o 7.3e-2 off the fp64

@@ -135,7 +135,7 @@ def kda_state_bwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True, INTERPRET: tl.constexpr = False,
-    COMPACT: tl.constexpr = False, PREFETCH: tl.constexpr = False,
+    COMPACT: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
 ):
     # COMPACT (packed, without dht and dh0; see the prep kernel): chunk c's dS_C in slot
     # c of the sequence's NC - 1, and chunk c's Qg^T dO read from slot c - 1.
@@ -199,8 +199,8 @@ def kda_state_bwd_kernel(
                 b_ds = (tl.load(p_ds, mask=m_kv, other=0.0).to(tl.float32)
                         - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC))
 
-    if PREFETCH:
-        # settings.SCAN_BWD_PREFETCH: each chunk's operands are loaded one chunk ahead,
+    if PREFETCH == 1:
+        # settings.SCAN_BWD_PREFETCH = 1: each chunk's operands are loaded one chunk ahead,
         # in the iteration before (registers carried over the loop), so their latency
         # overlaps that chunk's two dots instead of preceding them; the same
         # arithmetic in the same order as the loop below (the same bits). Safe
@@ -224,6 +224,25 @@ def kda_state_bwd_kernel(
             tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_t[:, None] & m_v[None, :])
             b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
             b_glast, b_qdo, b_kr, b_w, b_dup = n_glast, n_qdo, n_kr, n_w, n_dup
+    elif PREFETCH == 2:
+        # settings.SCAN_BWD_PREFETCH = 2: all five of the chunk's loads issued together at
+        # the top of its iteration (one round of load latency a chunk, not two), nothing
+        # carried over the loop; the same arithmetic in the same order
+        for i_rev in range(PEEL_ONE, NC):
+            i_c = NC - 1 - i_rev
+            b_glast, b_qdo, b_kr, b_w, b_dup = _scan_bwd_operands(
+                kr, w, gam, dup, dchunk_states, i_c, T, cs_stride, state_off, row_k, row_v, o_r, o_k, m_k, m_v,
+                m_kv, HV, K, V, BT, QDO_SHIFT, HAS_DH0)
+            r0 = tl.cast(i_c * BT, tl.int64)
+            m_t = i_c * BT + o_r < T
+            b_next = b_ds * tl.exp(b_glast)[:, None] + b_qdo.to(tl.float32)
+            # the slot just read (non-COMPACT) is overwritten next: every thread's load first
+            tl.debug_barrier()
+            tl.store(dchunk_states + i_c * cs_stride + state_off, as_stored(b_ds, dchunk_states, INTERPRET),
+                     mask=m_kv)
+            b_dup = b_dup + tl.dot(b_kr.to(tl.float32), b_ds, input_precision=DOT_PREC)
+            tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_t[:, None] & m_v[None, :])
+            b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
     else:
         for i_rev in range(PEEL_ONE, NC):
             i_c = NC - 1 - i_rev
