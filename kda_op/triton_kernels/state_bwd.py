@@ -124,6 +124,24 @@ def _scan_bwd_operands(kr, w, gam, dup, dchunk_states, i_c, T, cs_stride, state_
 
 
 @triton.jit
+def _scan_bwd_chunk(b_ds, b_glast, b_qdo, b_kr, b_w, b_dup, i_c, T, dchunk_states, dup, cs_stride, state_off,
+                    row_v, o_r, m_v, m_kv, HV, V: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr,
+                    INTERPRET: tl.constexpr, BARRIER: tl.constexpr):
+    """One chunk of the reverse scan from its loaded operands (``_scan_bwd_operands``):
+    stores dS_C (``b_ds``) and dU', returns dS entering the chunk. ``BARRIER``: every
+    thread's load of the chunk's Qg^T dO completes before dS_C overwrites its slot."""
+    r0 = tl.cast(i_c * BT, tl.int64)
+    m_t = i_c * BT + o_r < T
+    b_next = b_ds * tl.exp(b_glast)[:, None] + b_qdo.to(tl.float32)
+    if BARRIER:
+        tl.debug_barrier()
+    tl.store(dchunk_states + i_c * cs_stride + state_off, as_stored(b_ds, dchunk_states, INTERPRET), mask=m_kv)
+    b_dup = b_dup + tl.dot(b_kr.to(tl.float32), b_ds, input_precision=DOT_PREC)
+    tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_t[:, None] & m_v[None, :])
+    return b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
+
+
+@triton.jit
 def kda_state_bwd_kernel(
     kr, w, gam, dht,
     dup, dchunk_states, dh0,
@@ -215,14 +233,8 @@ def kda_state_bwd_kernel(
             n_glast, n_qdo, n_kr, n_w, n_dup = _scan_bwd_operands(
                 kr, w, gam, dup, dchunk_states, i_c - 1, T, cs_stride, state_off, row_k, row_v, o_r, o_k, m_k,
                 m_v, m_kv, HV, K, V, BT, QDO_SHIFT, HAS_DH0)
-            r0 = tl.cast(i_c * BT, tl.int64)
-            m_t = i_c * BT + o_r < T
-            b_next = b_ds * tl.exp(b_glast)[:, None] + b_qdo.to(tl.float32)
-            tl.store(dchunk_states + i_c * cs_stride + state_off, as_stored(b_ds, dchunk_states, INTERPRET),
-                     mask=m_kv)
-            b_dup = b_dup + tl.dot(b_kr.to(tl.float32), b_ds, input_precision=DOT_PREC)
-            tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_t[:, None] & m_v[None, :])
-            b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
+            b_ds = _scan_bwd_chunk(b_ds, b_glast, b_qdo, b_kr, b_w, b_dup, i_c, T, dchunk_states, dup, cs_stride,
+                                   state_off, row_v, o_r, m_v, m_kv, HV, V, BT, DOT_PREC, INTERPRET, False)
             b_glast, b_qdo, b_kr, b_w, b_dup = n_glast, n_qdo, n_kr, n_w, n_dup
     elif PREFETCH == 2:
         # settings.SCAN_BWD_PREFETCH = 2: all five of the chunk's loads issued together at
@@ -233,16 +245,9 @@ def kda_state_bwd_kernel(
             b_glast, b_qdo, b_kr, b_w, b_dup = _scan_bwd_operands(
                 kr, w, gam, dup, dchunk_states, i_c, T, cs_stride, state_off, row_k, row_v, o_r, o_k, m_k, m_v,
                 m_kv, HV, K, V, BT, QDO_SHIFT, HAS_DH0)
-            r0 = tl.cast(i_c * BT, tl.int64)
-            m_t = i_c * BT + o_r < T
-            b_next = b_ds * tl.exp(b_glast)[:, None] + b_qdo.to(tl.float32)
-            # the slot just read (non-COMPACT) is overwritten next: every thread's load first
-            tl.debug_barrier()
-            tl.store(dchunk_states + i_c * cs_stride + state_off, as_stored(b_ds, dchunk_states, INTERPRET),
-                     mask=m_kv)
-            b_dup = b_dup + tl.dot(b_kr.to(tl.float32), b_ds, input_precision=DOT_PREC)
-            tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_t[:, None] & m_v[None, :])
-            b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
+            # the slot just read (non-COMPACT) is overwritten in the same iteration: a barrier
+            b_ds = _scan_bwd_chunk(b_ds, b_glast, b_qdo, b_kr, b_w, b_dup, i_c, T, dchunk_states, dup, cs_stride,
+                                   state_off, row_v, o_r, m_v, m_kv, HV, V, BT, DOT_PREC, INTERPRET, True)
     else:
         for i_rev in range(PEEL_ONE, NC):
             i_c = NC - 1 - i_rev
