@@ -80,18 +80,26 @@ collect_tests() {
     for f in "$TLOGS"/t?.txt; do step "$f"; tail -n 60 "$f" >> "$LOG"; done
 }
 
+# The chunked kernels' CUDA tests in four background processes (one ran past 350 s):
+# test_cuda.py's fp32 cases and the rest, test_triton_kernels.py's big cases and the
+# rest. Arguments: the time limit, pytest's -q or -v (-v: a PASSED line survives the
+# limit), and the four logs' one-character names under $TLOGS.
+BIG="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
+chunked_kernel_tests() {
+    local L=$1 V=$2
+    timeout "$L" python3 -m pytest "$V" -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t$3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest "$V" -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t$4.txt" 2>&1 &
+    timeout "$L" python3 -m pytest "$V" -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t$5.txt" 2>&1 &
+    timeout "$L" python3 -m pytest "$V" -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" \
+        > "$TLOGS/t$6.txt" 2>&1 &
+}
+
 # Every test in processes side by side (Triton compiles in parallel), each within
 # TEST_LIMIT seconds, and the README's main job on the GPU; tails to the log.
 all_tests() {
     step "tests"
     local L=${TEST_LIMIT:-300}
-    # the kernel tests on the GPU ran past 350 s in one process: two
-    local BIG="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t3.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" \
-        > "$TLOGS/t8.txt" 2>&1 &
+    chunked_kernel_tests "$L" -q 1 2 3 8
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fused_recurrent.py > "$TLOGS/t0.txt" 2>&1 &
     # the main job (README) on the GPU: compiled training, export, the exported program
     timeout "$L" python3 -m kda_op.train_demo > "$TLOGS/t9.txt" 2>&1 &
@@ -170,12 +178,7 @@ kernel-tests)
     # -v: a test's PASSED line survives the time limit (in 380 s the four did not finish:
     # test_cuda.py's four fp32 tests alone took 300 s, twelfth session)
     step "CUDA tests of the chunked kernels, nothing else running"
-    L=${TEST_LIMIT:-540}
-    BIG="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t1.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t2.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t3.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" > "$TLOGS/t4.txt" 2>&1 &
+    chunked_kernel_tests "${TEST_LIMIT:-540}" -v 1 2 3 4
     collect_tests
     ;;
 flags-check)
@@ -184,13 +187,9 @@ flags-check)
     # row ($FLAGS_SHAPES) and the varlen rows, each with every kernel's GPU time.
     step "CUDA tests of the chunked kernels and the call surface"
     L=${TEST_LIMIT:-260}
-    BIG="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fla_options.py tests/test_layer.py -m gpu > "$TLOGS/t1.txt" 2>&1 &
     timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_fla_options.py -k triton > "$TLOGS/t2.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t3.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t4.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t5.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" > "$TLOGS/t6.txt" 2>&1 &
+    chunked_kernel_tests "$L" -q 3 4 5 6
     collect_tests
     read -r -a VARS <<< "${VARIANTS:-}"
     step "ours and fla, layer flags"
@@ -240,11 +239,7 @@ variant-verify)
         --variants "${VARS[@]}" --out "$OUT/RESULTS_varlen.md" >> "$LOG" 2>&1
     step "CUDA tests under KDA_TEST_SETTINGS=${KDA_TEST_SETTINGS:-}"
     L=${TEST_LIMIT:-270}
-    BIG="bf16_inputs or every_path or options or bigger or uninitialised or recurrent"
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_triton_kernels.py -k "$BIG" > "$TLOGS/t1.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_triton_kernels.py -k "not ($BIG)" > "$TLOGS/t2.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_cuda.py -k "fp32" > "$TLOGS/t3.txt" 2>&1 &
-    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t4.txt" 2>&1 &
+    chunked_kernel_tests "$L" -v 1 2 3 4
     timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_fla_options.py tests/test_layer.py tests/test_export_op.py \
         > "$TLOGS/t5.txt" 2>&1 &
     collect_tests

@@ -160,8 +160,13 @@ class _EveryArgument:
         return run
 
 
+# varlen_index.py's blocks: chunk slots a program, sequences an iteration
+_INDEX_SLOTS = 64
+_INDEX_SEQS = 128
+
+
 def _varlen_index(cu_seqlens: Tensor, T: int, has_initial_state: bool = True,
-                  traced: bool = False) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
+                  traced: bool = False) -> tuple[Tensor, Tensor, Tensor, int, Optional[Tensor]]:
     """For N packed sequences (``cu_seqlens`` [N + 1]) on their device, without a
     host sync (so a CUDA graph can capture it): ``(chunk_index [NCB, 3] int32,
     seq_offsets [N, 2] int64, first_unused_state [1] int64, NCB, dstate_offsets
@@ -169,12 +174,13 @@ def _varlen_index(cu_seqlens: Tensor, T: int, has_initial_state: bool = True,
     per chunk slot its sequence, its chunk in the sequence and the slot of the state
     entering it; per sequence its first chunk's global index and the slot of the
     state entering it, in the chunk states' layout (``_contract.varlen_state_offsets``);
-    each sequence's first compact dS_C slot (``_dstate_offsets``).
+    each sequence's first compact dS_C slot (the backward's, settings.COMPACT_DSTATES).
 
     One Triton launch (varlen_index.py); with ``traced`` (the export op, which
-    inductor compiles) torch ops instead, some 25 of them."""
+    inductor compiles) torch ops instead, some 25 of them, and no dS_C offsets (None:
+    the export op has no backward)."""
     if traced:
-        return (*_varlen_index_torch(cu_seqlens, T, has_initial_state), _dstate_offsets(cu_seqlens))
+        return (*_varlen_index_torch(cu_seqlens, T, has_initial_state), None)
     N = cu_seqlens.shape[0] - 1
     NCB = varlen_chunk_slots(T, N)
     device = cu_seqlens.device
@@ -188,11 +194,6 @@ def _varlen_index(cu_seqlens: Tensor, T: int, has_initial_state: bool = True,
         BT=BT, BS=_INDEX_SLOTS, BN=_INDEX_SEQS, HAS_H0=has_initial_state, num_warps=4,
     )
     return chunk_index, seq_offsets, first_unused, NCB, dstate_offsets
-
-
-# varlen_index.py's blocks: chunk slots a program, sequences an iteration
-_INDEX_SLOTS = 64
-_INDEX_SEQS = 128
 
 
 def _varlen_index_torch(cu_seqlens: Tensor, T: int, has_initial_state: bool = True) -> tuple[Tensor, Tensor, Tensor, int]:
@@ -226,16 +227,6 @@ def _varlen_index_torch(cu_seqlens: Tensor, T: int, has_initial_state: bool = Tr
     return chunk_index.contiguous(), seq_offsets.contiguous(), first_unused, NCB
 
 
-def _dstate_offsets(cu_seqlens: Tensor) -> Tensor:
-    """For the backward's compact dS_C slots (settings.COMPACT_DSTATES): [N + 1]
-    int64, sequence n's first slot, each sequence holding one fewer than its chunks
-    (none for an empty one), with torch ops only (no host sync). In all at most
-    T // BT slots: ceil(L / BT) - 1 <= (L - 1) / BT for each length L >= 1."""
-    cu = cu_seqlens.to(torch.int64)
-    slots = ((cu[1:] - cu[:-1] + BT - 1) // BT - 1).clamp_min(0)
-    return torch.cat([cu.new_zeros(1), slots.cumsum(0)])
-
-
 def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: Optional[Tensor] = None,
            has_initial_state: bool = True, traced: bool = False) -> dict:
     """Sizes and block shapes of one call. ``scan_batch`` stands in for B when the
@@ -245,7 +236,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
     (their layout depends on ``has_initial_state``: _contract.varlen_state_slots),
     and VL_CHUNK / VL_SEQ the index tensors the chunk-parallel / per-sequence
     kernels take (_indexing.py; stand-ins that are never read otherwise), and
-    DSTATE_OFFSETS the backward's compact dS_C offsets. ``traced``: host code that
+    DSTATE_OFFSETS the backward's compact dS_C offsets (None where traced). ``traced``: host code that
     inductor compiles (the export op): the index from torch ops (_varlen_index)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]

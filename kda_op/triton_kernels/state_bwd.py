@@ -28,7 +28,7 @@ def kda_state_bwd_prep_kernel(
     qg, w, u, aqk, chunk_states, do,
     up, dup, dchunk_states,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
-    ds_offsets,  # COMPACT: each sequence's first dS_C slot (_host._dstate_offsets; a stand-in otherwise)
+    ds_offsets,  # COMPACT: each sequence's first dS_C slot (varlen_index.py; a stand-in otherwise)
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,

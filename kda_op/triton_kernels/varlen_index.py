@@ -1,10 +1,12 @@
 """The packed sequences' chunk index (_indexing.py reads it) in one launch.
 
-The same tensors as the torch-op version in ``_host._varlen_index`` (which the traced
-export op keeps: inductor compiles torch ops): per chunk slot of NCB its sequence, its
-chunk in the sequence and the slot of the state entering it; per sequence its first
-chunk's global index and the slot of the state entering it; the first unused state
-slot; and each sequence's first compact dS_C slot (the backward's, _host._dstate_offsets).
+The same tensors as the torch-op version in ``_host._varlen_index_torch`` (which the
+traced export op keeps: inductor compiles torch ops): per chunk slot of NCB its sequence,
+its chunk in the sequence and the slot of the state entering it; per sequence its first
+chunk's global index and the slot of the state entering it; the first unused state slot;
+and each sequence's first compact dS_C slot (the backward's, settings.COMPACT_DSTATES:
+one fewer than its chunks, none for an empty one; at most T // BT in all, as
+ceil(L / BT) - 1 <= (L - 1) / BT for each length L >= 1).
 On short packed sequences the host path bounds the wall time, and those torch ops are
 some 25 launches a call (twice a training step); this is one.
 
