@@ -202,9 +202,17 @@ SCAN_STAGES = 2  # where BK <= 128; one stage above
 # test_triton_kernels.py, the varlen bench rows; the interpreter's bounds check finds no
 # access outside its tensors at the shapes it runs. Off until that is understood (sm_90a
 # SASS: 255 registers and 144 B of spills against 239 and none without it).
-# 2 (built after the device time, untimed): the chunk's own five loads issued together at
-# the top of its iteration, then the barrier and the store: one round of load latency a
-# chunk instead of two, no registers carried over the loop.
+# 2: the chunk's own five loads issued together at the top of its iteration, then the
+# barrier and the store: one round of load latency a chunk instead of two, no registers
+# carried over the loop. It faults too (H200, 2026-12-03): the same K = 32 / V = 20 bf16
+# case, and test_cuda.py's bf16 cases after seven had passed. With CUDA_LAUNCH_BLOCKING
+# mode 1's fault surfaced at the scan's launch (half-precision case). Under
+# compute-sanitizer's memcheck the scan shows no access outside an allocation in either
+# mode, but that K = 32 case then fails in every mode, 0 included, on 16-byte reads of
+# intra_bwd_a.py:202 (dA_qk, the block references' row blocks) hundreds of MB outside any
+# allocation; without the sanitizer mode 0 passes it. Registers do not explain it (sm_90a,
+# Triton 3.6, bf16): at K = 128 modes 1 / 2 take 255 with 232 / 16 B of spills (mode 0: 249,
+# none), but at K = 32 mode 2 takes 158, none. Not understood.
 SCAN_BWD_PREFETCH = 0
 # ... but SCAN_STAGES_WIDE_BF16 at BK = 256 with bf16 operands (bf16 inputs). On the
 # H200 (Triton 3.6) test_cuda.py's bf16 case at K = 256 gave o 7.3e-2 off the fp64
