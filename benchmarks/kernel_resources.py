@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import gam_fwd, intra_a_fwd, prep, intra_bwd, intra_bwd_a, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, varlen_index
+from kda_op.triton_kernels import gam_fwd, intra_a_fwd, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, varlen_index
 from kda_op import _contract
 from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
@@ -47,6 +47,8 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.INTRA_A_FWD_MAXNREG
     if fn.__name__ == "kda_recurrent_fwd_kernel" and S.RECURRENT_MAXNREG:
         options["maxnreg"] = S.RECURRENT_MAXNREG
+    if fn.__name__ == "kda_intra_bwd_a_rows_kernel" and S.INTRA_BWD_A_ROWS_MAXNREG:
+        options["maxnreg"] = S.INTRA_BWD_A_ROWS_MAXNREG
     # in the kernel's parameter order: Triton >= 3.7 reads the signature by position
     merged = {**signature, **{k: "constexpr" for k in constexprs}}
     params = list(inspect.signature(fn.fn).parameters)
@@ -238,6 +240,13 @@ def main(argv: list[str] | None = None) -> int:
          dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
               BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), STEEP_DOT_PREC=steep_prec,
               ROW_BLOCK_DOTS=bool(S.INTRA_BWD_A_ROW_BLOCK_DOTS)), 4, 3),
+        # the backward through the A's by row blocks, then dg (settings.INTRA_BWD_A_ROW_PROGRAMS)
+        (intra_bwd_a_rows.kda_intra_bwd_a_rows_kernel,
+         dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dq=f32, dk=f32, dgam=f32, scale="fp32", **ints),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, DOT_PREC=prec), S.INTRA_BWD_A_ROWS_WARPS, 3),
+        (intra_bwd_a_rows.kda_dg_of_chunk_kernel,
+         dict(**vl_chunk, dgam=f32, dgam_last=f32, dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, **ints),
+         dict(**varlen, K=K, BT=BT, BKD=BKD_A, **gate), 4, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(cu_seqlens="*i64", q=x, k=x, v=x, g=graw, beta=x, h0=f32, o=x, ht=f32, **gate_sig, scale="fp32", T="i32", H="i32",
               HV="i32", slots="*i64", accepted="*i64", slots_stride="i32"),

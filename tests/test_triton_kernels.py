@@ -1163,3 +1163,87 @@ def test_backward_scan_prefetch_gives_the_same_bits(case, monkeypatch):
         assert torch.equal(a, b) and torch.equal(a, c), name
         if ref.numel():
             _rel_close(b, ref, name)
+
+
+@pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training"])
+def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, monkeypatch):
+    """settings.INTRA_BWD_A_ROW_PROGRAMS (fla's bounded gate at lower_bound -5: one
+    program per 16-row block, each block's columns with its own middle row as the
+    reference for every later row, then a launch for dg's reverse sum over the chunk):
+    every grad within fp32 rounding of the one-program-per-chunk path (which takes
+    each row block's reference) and of the fp64 reference; under the interpreter no
+    access leaves its tensor. Cases: equal-length sequences with an initial state and
+    dht (a partial last chunk); packed sequences (empty ones, one row, a block and one
+    more, a chunk and one more, a long one) with and without them."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import _host, bwd, decode, fwd, settings
+
+    lengths = [130, 130] if case == "batch" else [0, 1, 16, 17, 64, 65, 3, 200, 0, 130]
+    cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, 41, gated=True, decay=1.0)
+    if case == "batch":
+        q, k, v, g, beta = (x.reshape(2, 130, *x.shape[2:]) for x in (q, k, v, g, beta))
+        cu = None
+    h0 = None
+    if case != "packed-training":
+        h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(3))
+    cpu = [q, k, v, g, beta]
+    want_fwd = _reference_fwd(*cpu, None, h0, gate, cu)
+    gen = torch.Generator().manual_seed(7)
+    do = torch.randn(want_fwd[0].shape, generator=gen)
+    dht = torch.randn(want_fwd[1].shape, generator=gen) if h0 is not None else None
+    want = _reference_bwd(*cpu, None, h0, want_fwd[2], do, dht, gate, cu)
+    args = [x.to(DEVICE) for x in cpu]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d, do_d, dht_d = (None if x is None else x.to(DEVICE) for x in (cu, h0, do, dht))
+    launched = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_kernel", lambda kw: launched.append("per chunk"))
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda kw: launched.append("per row block"))
+    results = []
+    for rows in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_BWD_A_ROW_PROGRAMS", rows)
+        checker = None
+        if rows and DEVICE == "cpu":
+            from bounds_check import BoundsChecker
+            # _host: the varlen index kernel's outputs, allocated there
+            checker = BoundsChecker().install(monkeypatch, fwd, bwd, decode, _host)
+            for x in args + [do_d, dht_d, h0_d, cu_d] + [x for x in gate_d if isinstance(x, torch.Tensor)]:
+                checker.track(x)
+            # what the host code makes with other torch ops than empty / zeros
+            for module in (fwd, bwd):
+                monkeypatch.setattr(module, "_sizes", _tracking(module._sizes, checker))
+        _, _, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
+                                        output_final_state=h0 is not None)
+        results.append(kda_bwd_triton(*args, None, h0_d, cs, do_d, dht_d, kept, gate=gate_d, cu_seqlens=cu_d))
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+    assert launched == ["per chunk", "per row block"]
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    for name, a, b, ref in zip(names, *results, want):
+        # fp32: the column terms' other references change the rounding only
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+        if ref.numel():
+            _rel_close(b, ref, name)
+
+
+def test_row_block_backward_only_where_the_gate_bounds_every_block():
+    """The row-block backward through the A's needs every chunk's gam within MAX_SPLIT
+    of each 16-row block's middle row and every log decay <= 0: fla's lower_bound form
+    with 8 * |lower_bound| <= MAX_SPLIT - 1, and the setting on."""
+    from kda_op.triton_kernels import settings
+    from kda_op.triton_kernels.bwd import _row_programs_serve
+
+    def ga(form, lower_bound):
+        return dict(GATE=form, lower_bound=lower_bound)
+
+    old = settings.INTRA_BWD_A_ROW_PROGRAMS
+    try:
+        settings.INTRA_BWD_A_ROW_PROGRAMS = 1
+        assert _row_programs_serve(ga(2, -5.0)) and _row_programs_serve(ga(2, -7.375)) and _row_programs_serve(ga(2, 0.0))
+        assert not _row_programs_serve(ga(2, -7.5))  # 8 * 7.5 = 60 > MAX_SPLIT - 1
+        assert not _row_programs_serve(ga(2, 1.0))  # log decays > 0
+        assert not _row_programs_serve(ga(1, 0.0))  # the softplus form: unbounded decays
+        assert not _row_programs_serve(ga(0, 0.0))  # g as given
+        settings.INTRA_BWD_A_ROW_PROGRAMS = 0
+        assert not _row_programs_serve(ga(2, -5.0))
+    finally:
+        settings.INTRA_BWD_A_ROW_PROGRAMS = old

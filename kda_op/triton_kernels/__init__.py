@@ -13,6 +13,8 @@ backward  intra_a_fwd.py, intra_wu_fwd.py  recomputed, keeping Tm, unless the
           intra_bwd_w.py back through the states and W: partial dq, dk, dg (per K slice)
           intra_bwd.py   dv, dbeta, dA_kk, dA_qk
           intra_bwd_a.py back through A_kk, A_qk: dq, dk, dg (parallel over K slices)
+          intra_bwd_a_rows.py  the same by 16-row blocks, then dg, where fla's bounded gate
+                         allows (settings.INTRA_BWD_A_ROW_PROGRAMS)
           gva_reduce.py  dq, dk summed from the value heads to the key heads
 decode    recurrent_fwd.py  token by token, the state held on chip (fused_recurrent_kda; on a
                          state pool in place with POOL)

@@ -21,10 +21,21 @@ from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
 from .intra_bwd_a import kda_intra_bwd_a_kernel
+from .intra_bwd_a_rows import kda_dg_of_chunk_kernel, kda_intra_bwd_a_rows_kernel
 from .intra_bwd_w import kda_intra_bwd_w_kernel
 from .prep import kda_prep_bwd_kernel
 from .settings import BC, BT, MAX_SPLIT
 from .state_bwd import kda_state_bwd_kernel, kda_state_bwd_prep_kernel
+
+
+def _row_programs_serve(ga: dict) -> bool:
+    """Whether the backward through the A's runs by row blocks (intra_bwd_a_rows.py):
+    settings.INTRA_BWD_A_ROW_PROGRAMS, and fla's bounded gate, whose log decays lie in
+    [lower_bound, 0], keeps gam within BC / 2 * |lower_bound| of every BC-row block's
+    middle row, under MAX_SPLIT with a margin of a unit for rounding (every chunk can
+    then take block references, whatever its steep flag says)."""
+    return (bool(S.INTRA_BWD_A_ROW_PROGRAMS) and ga["GATE"] == 2 and ga["lower_bound"] <= 0
+            and (BC // 2) * abs(ga["lower_bound"]) <= MAX_SPLIT - 1)
 
 
 def kda_bwd_triton(
@@ -155,7 +166,19 @@ def kda_bwd_triton(
         args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg,
                 g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part, *s["VL_CHUNK"], scale, T, NC)
         flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], IS_VARLEN=s["IS_VARLEN"])
-        if S.INTRA_BWD_A_ONE_LAUNCH:
+        if _row_programs_serve(ga):
+            # one program per row block (settings.INTRA_BWD_A_ROW_PROGRAMS), then dg
+            kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * HV)](
+                q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *s["VL_CHUNK"], scale, T, NC,
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
+                num_warps=S.INTRA_BWD_A_ROWS_WARPS,
+                **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),
+            )
+            kda_dg_of_chunk_kernel[(_cdiv(K, S.BKD_A), NC, B * HV)](
+                dgam, dgam_last, dg, g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part,
+                *s["VL_CHUNK"], T, NC, H=H, HV=HV, K=K, BT=BT, BKD=S.BKD_A, **flags, num_warps=4,
+            )
+        elif S.INTRA_BWD_A_ONE_LAUNCH:
             # both kinds of chunk in one launch, each program on its chunk's path
             if S.BKD_A != S.BKD:
                 raise ValueError(f"settings.INTRA_BWD_A_ONE_LAUNCH needs BKD_A == BKD (one K slice per program), "

@@ -34,12 +34,22 @@ from ._indexing import chunk_coords, gam_row
 def _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
                   b_q, b_k, b_tq, b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE: tl.constexpr):
     """A chunk's slice from its terms through the A's (rows, and columns ``b_tkj``):
-    dq, dk, and dg by the reverse cumulative sum of d(gam) over the chunk plus
-    dGam; with the gate, on through it, with the chunk's partial sums for dA_log
-    and d dt_bias."""
+    dq, dk, and dg (``_dg_of_chunk``)."""
     b_dq = tl.load(dq + row_ts, mask=m_ts, other=0.0) + b_tq
     b_dk = tl.load(dk + row_ts, mask=m_ts, other=0.0) + b_tk + b_tkj
     b_dgam = tl.load(dgam + row_ts, mask=m_ts, other=0.0) + b_q * b_tq + b_k * (b_tk - b_tkj)
+    _dg_of_chunk(dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s, b_dgam, b_ga, b_gbias, lower_bound,
+                 GATE)
+    tl.store(dq + row_ts, b_dq, mask=m_ts)
+    tl.store(dk + row_ts, b_dk, mask=m_ts)
+
+
+@triton.jit
+def _dg_of_chunk(dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s, b_dgam, b_ga, b_gbias, lower_bound,
+                 GATE: tl.constexpr):
+    """dg of a chunk's slice from its d(gam) ``b_dgam`` [BT, BKD] (rows past the end 0):
+    the reverse cumulative sum over the chunk plus dGam; with the gate, on through it,
+    with the chunk's partial sums for dA_log and d dt_bias."""
     # dg_t = sum of d(gam) over rows s >= t of the chunk, plus dGam
     b_dg = tl.cumsum(b_dgam, 0, reverse=True) + tl.load(dgam_last + o_s, mask=m_s, other=0.0)[None, :]
     if GATE:
@@ -47,8 +57,6 @@ def _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_
         b_dg, b_dla = gate_bwd(b_dg, b_graw, b_ga, b_gbias, lower_bound, GATE)
         tl.store(ddt_part + o_s, tl.sum(tl.where(m_ts, b_dg, 0.0), 0), mask=m_s)
         tl.store(dla_part + o_s, tl.sum(tl.where(m_ts, b_dla, 0.0), 0), mask=m_s)
-    tl.store(dq + row_ts, b_dq, mask=m_ts)
-    tl.store(dk + row_ts, b_dk, mask=m_ts)
     tl.store(dg + row_ts, b_dg.to(dg.dtype.element_ty), mask=m_ts)
 
 

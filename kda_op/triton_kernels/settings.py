@@ -133,6 +133,19 @@ INTRA_BWD_A_ONE_LAUNCH = 1
 # kda_intra_bwd_a; its GPU tests passed (grads against the masked dots and the
 # reference, fla's layer flags against fla, compiled training under it).
 INTRA_BWD_A_ROW_BLOCK_DOTS = 1
+# Where every chunk can take block references (fla's gate with lower_bound <= 0 and
+# BC / 2 * |lower_bound| < MAX_SPLIT, as fla's layer trains), the backward through the
+# A's as one program per 16-row block and a second launch for dg's reverse sum over
+# the chunk (1, intra_bwd_a_rows.py; fla's intra backward runs one program per 16-row
+# sub-chunk too), instead of one program per chunk (0). Built for the GVA shape with
+# fla's layer flags, where kda_intra_bwd_a took 2.695 ms of an 8.95 ms step against
+# fla's 1.658 (H200, 2026-12-03); sm_90a (bf16, K = 128, Triton 3.6): see
+# benchmarks/NOTES.md. Untimed on a GPU: off.
+INTRA_BWD_A_ROW_PROGRAMS = 0
+# ... its warps per program and a cap on its registers per thread (None: the
+# compiler's choice; sm_90a, bf16, K = 128, Triton 3.6: 192 at four warps, no spills).
+INTRA_BWD_A_ROWS_WARPS = 4
+INTRA_BWD_A_ROWS_MAXNREG = None
 # 16 -> 32 on the H200 (2026-12-01, bf16, fla's layer flags, where most chunks are
 # steep): forward+backward 4.747 -> 3.751 ms at B1-T8192-H16 (fla 3.72), o the same.
 BKD = 32

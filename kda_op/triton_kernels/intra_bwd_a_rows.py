@@ -1,0 +1,159 @@
+"""Stage 2 of the backward, second half, by row blocks (settings.INTRA_BWD_A_ROW_PROGRAMS).
+
+The work of intra_bwd_a.py's block-reference path, for inputs whose every chunk can
+take block references: fla's bounded gate (``lower_bound * sigmoid(...)`` with
+``lower_bound <= 0``, every log decay in [lower_bound, 0], and BC / 2 * |lower_bound|
+below MAX_SPLIT, so that gam strays at most that far from any BC-row block's middle
+row). intra_bwd_a.py walks a chunk's BT / BC row blocks in one program (255 registers
+and kilobytes of spills on sm_90a); here each block has a program of its own, as fla's
+``chunk_kda_bwd_kernel_intra`` does, and the chunk's reverse cumulative sum of d(gam)
+moves to a second, small launch.
+
+kda_intra_bwd_a_rows_kernel, one program per (row block b and K slice of BKD, chunk,
+batch * value head), m the middle row of block b:
+  its rows i:     T_q[i] = exp(gam_i - gam_m) sum_j dA_qk[i, j] K_j exp(gam_m - gam_j)
+                  (j up to the block's end: exp(gam_m - gam_j) <= 1 before the block, within
+                  the bound in it; dA is zero above its diagonal), T_k alike with dA_kk;
+  its columns j:  T_kj[j] = exp(gam_m - gam_j) sum_r (dA_qk[r, j] Q_r + dA_kk[r, j] K_r) exp(gam_r - gam_m)
+                  over the rows r from the block's start (exp(gam_r - gam_m) within the bound
+                  before m, <= 1 after it): one reference for every row after the block,
+                  where intra_bwd_a.py takes each row block's own;
+then dq += T_q, dk += T_k + T_kj and d(gam) += Q T_q + K (T_k - T_kj) of its rows, d(gam)
+written back in place for:
+
+kda_dg_of_chunk_kernel, one program per (K slice, chunk, batch * value head): dg = the
+reverse cumulative sum of d(gam) over the chunk's rows plus dGam, on through fla's gate
+with the chunk's partial sums for d(dt_bias) and d(A_log) (intra_bwd_a._dg_of_chunk).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._gate import gate_params
+from ._indexing import chunk_coords, gam_row
+from .intra_bwd_a import _dg_of_chunk
+
+
+@triton.jit
+def kda_intra_bwd_a_rows_kernel(
+    q, k, gam, dakk, daqk,
+    dq, dk, dgam,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
+    scale, T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr = False,
+):
+    # The K slice varies fastest, then the row block (both on the grid's first axis, so
+    # the chunks keep the second, limited to 65535 as elsewhere): the programs of one
+    # chunk run side by side and share their loads of Q, K, gam and dA through L2.
+    NKS: tl.constexpr = (K + BKD - 1) // BKD
+    i_s = tl.program_id(0) % NKS
+    i_blk = tl.program_id(0) // NKS
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    # a block past the chunk's rows (short or last chunks; an unused slot, T <= 0): nothing
+    if i_blk * BC >= T:
+        return
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    gam += (bos * HV + i_hv) * K
+    dakk += (bos * HV + i_hv) * BT
+    daqk += (bos * HV + i_hv) * BT
+    dq += (bos * HV + i_hv) * K
+    dk += (bos * HV + i_hv) * K
+    dgam += (bos * HV + i_hv) * K
+
+    o_s = i_s * BKD + tl.arange(0, BKD)
+    m_s = o_s < K
+    o_r = tl.arange(0, BT)
+    m_t = o_r < T
+    m_ts = m_t[:, None] & m_s[None, :]
+    o_i = i_blk * BC + tl.arange(0, BC)  # the block's rows, and as columns
+    m_i = o_i < T
+    m_is = m_i[:, None] & m_s[None, :]
+
+    # the chunk's slice and the block's rows of it
+    b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+    b_g = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+    b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+    b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    b_gm = tl.load(gam + gam_row(i_blk * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+
+    # the block's rows: columns up to its end (past it dA is zero, the factor dropped)
+    p_rows = (o_i[:, None]) * (HV * BT) + o_r[None, :]
+    b_dqk_i = tl.load(daqk + p_rows, mask=m_i[:, None], other=0.0)
+    b_dkk_i = tl.load(dakk + p_rows, mask=m_i[:, None], other=0.0)
+    b_kc = b_k * tl.exp(tl.where((o_r < (i_blk + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")))
+    b_eri = tl.exp(b_gi - b_gm[None, :])
+    b_tq = b_eri * tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
+    b_tk = b_eri * tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
+
+    # the block's columns: rows from its start (before it dA is zero, and the factor,
+    # which could overflow there, is dropped)
+    from_blk = (o_r >= i_blk * BC)[:, None]
+    b_er = tl.exp(tl.where(from_blk, b_g - b_gm[None, :], float("-inf")))
+    p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
+    m_cols = m_t[:, None] & from_blk
+    b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
+    b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
+    b_tkj = tl.exp(b_gm[None, :] - b_gi) * (tl.dot(tl.trans(b_dqk_j), b_q * b_er, input_precision=DOT_PREC)
+                                            + tl.dot(tl.trans(b_dkk_j), b_k * b_er, input_precision=DOT_PREC))
+
+    row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
+    b_dq = tl.load(dq + row_is, mask=m_is, other=0.0) + b_tq
+    b_dk = tl.load(dk + row_is, mask=m_is, other=0.0) + b_tk + b_tkj
+    b_dgam = tl.load(dgam + row_is, mask=m_is, other=0.0) + b_qi * b_tq + b_ki * (b_tk - b_tkj)
+    tl.store(dq + row_is, b_dq, mask=m_is)
+    tl.store(dk + row_is, b_dk, mask=m_is)
+    tl.store(dgam + row_is, b_dgam, mask=m_is)
+
+
+@triton.jit
+def kda_dg_of_chunk_kernel(
+    dgam, dgam_last, dg,
+    g, A_log, dt_bias, lower_bound, ddt_part, dla_part,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
+    T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, BT: tl.constexpr, BKD: tl.constexpr,
+    GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False,
+):
+    i_s = tl.program_id(0)
+    i_c = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    dgam_last += (g_c * HV + i_hv) * K
+    o_s = i_s * BKD + tl.arange(0, BKD)
+    m_s = o_s < K
+    if GATE:
+        ddt_part += (g_c * HV + i_hv) * K
+        dla_part += (g_c * HV + i_hv) * K
+        b_ga, b_gbias = gate_params(A_log, dt_bias, i_hv, o_s, m_s, K, HAS_A, HAS_BIAS)
+    else:  # unread without the gate
+        b_ga = 0.0
+        b_gbias = 0.0
+    if IS_VARLEN:
+        if T <= 0:  # an unused chunk slot: zero gate partial sums (the host sums every slot)
+            if GATE:
+                tl.store(ddt_part + o_s, tl.zeros([BKD], dtype=tl.float32), mask=m_s)
+                tl.store(dla_part + o_s, tl.zeros([BKD], dtype=tl.float32), mask=m_s)
+            return
+    dgam += (bos * HV + i_hv) * K
+    dg += (bos * HV + i_hv) * K
+    if GATE:
+        g += (bos * HV + i_hv) * K  # the raw gate: dg's layout
+    o_t = tl.arange(0, BT)
+    m_ts = (o_t < T)[:, None] & m_s[None, :]
+    row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
+    b_dgam = tl.load(dgam + row_ts, mask=m_ts, other=0.0)
+    _dg_of_chunk(dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s, b_dgam, b_ga, b_gbias, lower_bound,
+                 GATE)
