@@ -636,6 +636,22 @@ def test_triton_kernels_stay_in_bounds(B, T, H, G, K, V, dtype, monkeypatch):
     assert not checker.violations, checker.violations[:5]
 
 
+def _bounds_checker(monkeypatch, tensors):
+    """A BoundsChecker (tests/bounds_check.py) on the kernels that the host modules
+    launch, tracking ``tensors`` (None skipped) and what the host code makes."""
+    from bounds_check import BoundsChecker
+    from kda_op.triton_kernels import _host, bwd, decode, fwd
+
+    # _host: the varlen index kernel's outputs, allocated there
+    checker = BoundsChecker().install(monkeypatch, fwd, bwd, decode, _host)
+    for x in tensors:
+        checker.track(x)
+    # what the host code makes with other torch ops than empty / zeros
+    for module in (fwd, bwd):
+        monkeypatch.setattr(module, "_sizes", _tracking(module._sizes, checker))
+    return checker
+
+
 def _tracking(fn, checker):
     """``fn`` with every tensor it returns (in a dict's values, tuples) tracked."""
     def tracked(*args, **kwargs):
@@ -656,7 +672,6 @@ def test_triton_compact_dstates_give_the_same_bits(gated, monkeypatch):
     no access leaves the smaller buffer. Lengths: empty ones, one chunk, a full chunk,
     two and four chunks, the longest last (its slots the buffer's end)."""
     from kda_op.ops import _reference_bwd, _reference_fwd
-    from kda_op.triton_kernels import _host, bwd, decode, fwd
     from kda_op.triton_kernels import settings
 
     lengths = [0, 1, 64, 65, 0, 130, 3, 250]
@@ -670,14 +685,7 @@ def test_triton_compact_dstates_give_the_same_bits(gated, monkeypatch):
         monkeypatch.setattr(settings, "COMPACT_DSTATES", compact)
         checker = None
         if compact and DEVICE == "cpu":
-            from bounds_check import BoundsChecker
-            # _host: the varlen index kernel's outputs, allocated there
-            checker = BoundsChecker().install(monkeypatch, fwd, bwd, decode, _host)
-            for x in args + [do] + [x for x in (gate or ()) if isinstance(x, torch.Tensor)]:
-                checker.track(x)
-            # what the host code makes with other torch ops than empty / zeros
-            for module in (fwd, bwd):
-                monkeypatch.setattr(module, "_sizes", _tracking(module._sizes, checker))
+            checker = _bounds_checker(monkeypatch, args + [do] + [x for x in (gate or ()) if isinstance(x, torch.Tensor)])
         cu_d = cu.to(DEVICE)
         if checker is not None:
             checker.track(cu_d)
@@ -1176,7 +1184,7 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
     dht (a partial last chunk); packed sequences (empty ones, one row, a block and one
     more, a chunk and one more, a long one) with and without them."""
     from kda_op.ops import _reference_bwd, _reference_fwd
-    from kda_op.triton_kernels import _host, bwd, decode, fwd, settings
+    from kda_op.triton_kernels import bwd, settings
 
     lengths = [130, 130] if case == "batch" else [0, 1, 16, 17, 64, 65, 3, 200, 0, 130]
     cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, 41, gated=True, decay=1.0)
@@ -1203,14 +1211,8 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
         monkeypatch.setattr(settings, "INTRA_BWD_A_ROW_PROGRAMS", rows)
         checker = None
         if rows and DEVICE == "cpu":
-            from bounds_check import BoundsChecker
-            # _host: the varlen index kernel's outputs, allocated there
-            checker = BoundsChecker().install(monkeypatch, fwd, bwd, decode, _host)
-            for x in args + [do_d, dht_d, h0_d, cu_d] + [x for x in gate_d if isinstance(x, torch.Tensor)]:
-                checker.track(x)
-            # what the host code makes with other torch ops than empty / zeros
-            for module in (fwd, bwd):
-                monkeypatch.setattr(module, "_sizes", _tracking(module._sizes, checker))
+            checker = _bounds_checker(monkeypatch, args + [do_d, dht_d, h0_d, cu_d]
+                                      + [x for x in gate_d if isinstance(x, torch.Tensor)])
         _, _, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
                                         output_final_state=h0 is not None)
         results.append(kda_bwd_triton(*args, None, h0_d, cs, do_d, dht_d, kept, gate=gate_d, cu_seqlens=cu_d))
