@@ -20,7 +20,7 @@ from torch.profiler import record_function
 from .._compat import profiler_enabled
 from .._contract import varlen_chunk_slots, varlen_state_slots, intermediates_layout, scan_operand_dtype
 from . import settings as S
-from .settings import BT
+from .settings import BC, BT, MAX_SPLIT
 from .varlen_index import kda_varlen_index_kernel
 
 
@@ -337,3 +337,11 @@ def _gate_args(gate: Optional[tuple], g: Tensor) -> dict:
         HAS_A=A_log is not None,
         HAS_BIAS=dt_bias is not None,
     )
+
+
+def _gate_bounds_every_block(ga: dict) -> bool:
+    """Whether fla's bounded gate (``lower_bound * sigmoid(...)``, every log decay
+    within |lower_bound| of 0) keeps gam within BC / 2 * |lower_bound| of every
+    BC-row block's middle row, under MAX_SPLIT with a margin of a whole unit for
+    rounding: every chunk can then take block references, whatever its spreads."""
+    return ga["GATE"] == 2 and (BC // 2) * abs(ga["lower_bound"]) <= MAX_SPLIT - 1

@@ -15,8 +15,8 @@ from torch import Tensor
 
 from .._contract import residual_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _cdiv, _dot_precision, _gate_args, _intermediates_views, _layout,
-                    _pow2, _range, _sizes, _steep_dot_precision)
+from ._host import (_INTERPRET, _cdiv, _dot_precision, _gate_args, _gate_bounds_every_block, _intermediates_views,
+                    _layout, _pow2, _range, _sizes, _steep_dot_precision)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
@@ -30,12 +30,10 @@ from .state_bwd import kda_state_bwd_kernel, kda_state_bwd_prep_kernel
 
 def _row_programs_serve(ga: dict) -> bool:
     """Whether the backward through the A's runs by row blocks (intra_bwd_a_rows.py):
-    settings.INTRA_BWD_A_ROW_PROGRAMS, and fla's bounded gate, whose log decays lie in
-    [lower_bound, 0], keeps gam within BC / 2 * |lower_bound| of every BC-row block's
-    middle row, under MAX_SPLIT with a margin of a unit for rounding (every chunk can
-    then take block references, whatever its steep flag says)."""
-    return (bool(S.INTRA_BWD_A_ROW_PROGRAMS) and ga["GATE"] == 2 and ga["lower_bound"] <= 0
-            and (BC // 2) * abs(ga["lower_bound"]) <= MAX_SPLIT - 1)
+    settings.INTRA_BWD_A_ROW_PROGRAMS, and fla's bounded gate keeps every block within
+    MAX_SPLIT of its middle row (whatever a chunk's steep flag says) with its log
+    decays in [lower_bound, 0] (the factors before a block <= 1)."""
+    return bool(S.INTRA_BWD_A_ROW_PROGRAMS) and _gate_bounds_every_block(ga) and ga["lower_bound"] <= 0
 
 
 def kda_bwd_triton(

@@ -17,8 +17,9 @@ from torch import Tensor
 from ..reference import L2NORM_EPS
 from .._contract import aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _gate_args, _intermediates_views, _kernel, _layout,
-                    _pow2, _range, _sizes, _steep_dot_precision, _zero_alignment_gaps)
+from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _gate_args, _gate_bounds_every_block,
+                    _intermediates_views, _kernel, _layout, _pow2, _range, _sizes, _steep_dot_precision,
+                    _zero_alignment_gaps)
 from .decode import kda_recurrent_fwd_triton
 from .gam_fwd import kda_gam_fwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
@@ -39,8 +40,7 @@ def _no_steep_launch(ga: dict) -> bool:
     rounding: every chunk is then split (0) or takes block references (1) in
     intra_a_fwd. The launch only exits then (0.31 ms at 2048 packed sequences of
     1-64 tokens on the H200: its 197k programs)."""
-    return (bool(S.SKIP_IDLE_STEEP_LAUNCH) and bool(S.INTRA_A_BLOCK_REFS) and ga["GATE"] == 2
-            and (BC // 2) * abs(ga["lower_bound"]) <= MAX_SPLIT - 1)
+    return bool(S.SKIP_IDLE_STEEP_LAUNCH) and bool(S.INTRA_A_BLOCK_REFS) and _gate_bounds_every_block(ga)
 
 
 def _tilings(tile: int) -> tuple[dict, ...]:
