@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import gam_fwd, intra_a_fwd, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, varlen_index
+from kda_op.triton_kernels import gam_fwd, intra_a_fwd, intra_a_fwd_rows, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, varlen_index
 from kda_op import _contract
 from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
@@ -47,6 +47,8 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.INTRA_A_FWD_MAXNREG
     if fn.__name__ == "kda_recurrent_fwd_kernel" and S.RECURRENT_MAXNREG:
         options["maxnreg"] = S.RECURRENT_MAXNREG
+    if fn.__name__ == "kda_intra_a_fwd_rows_kernel" and S.INTRA_A_ROWS_MAXNREG:
+        options["maxnreg"] = S.INTRA_A_ROWS_MAXNREG
     if fn.__name__ == "kda_intra_bwd_a_rows_kernel" and S.INTRA_BWD_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_BWD_A_ROWS_MAXNREG
     # in the kernel's parameter order: Triton >= 3.7 reads the signature by position
@@ -190,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
               BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
               BKR=min(128, triton.next_power_of_2(K))),
          S.INTRA_A_FWD_WARPS, 3),
+        (intra_a_fwd_rows.kda_intra_a_fwd_rows_kernel,
+         dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT),
+         S.INTRA_A_ROWS_WARPS, S.INTRA_A_ROWS_STAGES),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
          dict(**varlen, K=K, BT=BT, BC=BC, BKS=S.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT,
@@ -198,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         # launches it, then as one that keeps nothing
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
            dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
-           dict(common, **varlen, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
+           dict(common, **varlen, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
                 BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
            S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
@@ -246,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
          dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, DOT_PREC=prec), S.INTRA_BWD_A_ROWS_WARPS, 3),
         (intra_bwd_a_rows.kda_dg_of_chunk_kernel,
          dict(**vl_chunk, dgam=f32, dgam_last=f32, dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, **ints),
-         dict(**varlen, K=K, BT=BT, BKD=BKD_A, **gate), 4, 3),
+         dict(**varlen, K=K, BT=BT, BKD=S.DG_OF_CHUNK_BK, **gate), S.DG_OF_CHUNK_WARPS, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(cu_seqlens="*i64", q=x, k=x, v=x, g=graw, beta=x, h0=f32, o=x, ht=f32, **gate_sig, scale="fp32", T="i32", H="i32",
               HV="i32", slots="*i64", accepted="*i64", slots_stride="i32"),

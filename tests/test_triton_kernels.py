@@ -277,6 +277,8 @@ def test_triton_short_tiles_match_full_tiles(gated, launches, monkeypatch):
     from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import fwd, settings
 
+    # the one-program-per-chunk kernel's tiles (the row programs take fla's bounded gate untiled)
+    monkeypatch.setattr(settings, "INTRA_A_ROW_PROGRAMS", 0)
     lengths = [1, 31, 32, 33, 0, 64, 70, 2]
     cu, (q, k, v, g, beta), gate, do = _packed_problem(lengths, 37, gated, decay=0.2)
     args = [x.to(DEVICE) for x in (q, k, v, g, beta)]
@@ -334,7 +336,9 @@ def test_triton_forward_forms_nothing_that_nothing_reads(output_final_state, wit
     dht = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(6)).to(DEVICE)
     flags = []
     for name, keys in (("kda_state_fwd_kernel", ("FIRST_UP", "SKIP_UNKEPT_STATE")),
-                       ("kda_intra_a_fwd_kernel", ("QG_FIRST", "KR_LAST")), ("kda_intra_wu_fwd_kernel", ("W_FIRST",))):
+                       ("kda_intra_a_fwd_kernel", ("QG_FIRST", "KR_LAST")),
+                       ("kda_intra_a_fwd_rows_kernel", ("QG_FIRST", "KR_LAST")),  # (settings.INTRA_A_ROW_PROGRAMS)
+                       ("kda_intra_wu_fwd_kernel", ("W_FIRST",))):
         _on_launch(monkeypatch, fwd, name, lambda kw, keys=keys: flags.extend((key, kw[key]) for key in keys))
     results = {}
     for skip_unread in (1, 0):
@@ -378,6 +382,8 @@ def test_triton_backward_through_the_as_in_one_launch(gated, decay, monkeypatch)
     from kda_op.triton_kernels import bwd, settings
     from kda_op.triton_kernels._host import _intermediates_views, _layout
 
+    # the one-program-per-chunk kernel (the row programs would take fla's bounded gate)
+    monkeypatch.setattr(settings, "INTRA_BWD_A_ROW_PROGRAMS", 0)
     lengths = [1, 20, 64, 0, 130, 33, 65]
     cu, (q, k, v, g, beta), gate, do = _packed_problem(lengths, 43, gated, decay)
     args = [x.to(DEVICE) for x in (q, k, v, g, beta)] + [None, None]
@@ -998,7 +1004,10 @@ def test_triton_traced_launches_pass_every_parameter(packed, monkeypatch):
     _rel_close(ht, ht_ref, "final_state")
 
     names = {fn.__name__ for fn, _, _ in launches}
-    launched = {"kda_intra_a_fwd_kernel", "kda_intra_wu_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel"}
+    from kda_op.triton_kernels import settings
+    # fla's bounded gate (packed): the A's by row blocks where settings.INTRA_A_ROW_PROGRAMS says so
+    a_kernel = "kda_intra_a_fwd_rows_kernel" if packed and settings.INTRA_A_ROW_PROGRAMS else "kda_intra_a_fwd_kernel"
+    launched = {a_kernel, "kda_intra_wu_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel"}
     # packed: fla's gate (gam_fwd) and the unused chunk-state slots; else the steep launch
     launched |= {"kda_gam_fwd_kernel", "kda_zero_slots_kernel"} if packed else {"kda_intra_a_fwd_steep_kernel"}
     assert launched <= names, sorted(names)
@@ -1021,6 +1030,8 @@ def test_triton_row_block_dots_match_the_masked_dots(one_launch, monkeypatch):
     from kda_op.triton_kernels._host import _intermediates_views, _layout
 
     monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", one_launch)
+    # the one-program-per-chunk path (the row programs would take these bounded gates)
+    monkeypatch.setattr(settings, "INTRA_BWD_A_ROW_PROGRAMS", 0)
     lengths = [1, 20, 64, 0, 130, 33, 48, 57]
     cu, (q, k, v, g, beta), gate, do = _packed_problem(lengths, 61, True, 0.2)
     args = [x.to(DEVICE) for x in (q, k, v, g, beta)] + [None, None]
@@ -1225,6 +1236,62 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
         torch.testing.assert_close(b.cpu(), a.cpu(), rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
         if ref.numel():
             _rel_close(b, ref, name)
+
+
+@pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training"])
+def test_forward_a_by_row_blocks_matches_the_dots_over_every_row(case, monkeypatch):
+    """settings.INTRA_A_ROW_PROGRAMS (fla's bounded gate at lower_bound -5, where every
+    chunk can take block references: one program per 16-row block, its dots on its own
+    rows): the kept A's, Qg, Kr, steep flags and every output within fp32 rounding of
+    the one-program-per-chunk kernel (the same references for the block-reference
+    chunks; the split at the middle row for the others), the outputs within the fp64
+    reference's tolerance; no access leaves its tensor. Packed: empty sequences, one
+    row, a block and one more, short chunks (the per-chunk kernel's half tiles), a long one."""
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    lengths = [130, 130] if case == "batch" else [0, 1, 16, 17, 64, 65, 3, 200, 0, 130, 31]
+    cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, 47, gated=True, decay=1.0)
+    if case == "batch":
+        q, k, v, g, beta = (x.reshape(2, 130, *x.shape[2:]) for x in (q, k, v, g, beta))
+        cu = None
+    h0 = None
+    if case != "packed-training":
+        h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(5))
+    cpu = [q, k, v, g, beta]
+    want = _reference_fwd(*cpu, None, h0, gate, cu)
+    args = [x.to(DEVICE) for x in cpu]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
+    launched = []
+    _on_launch(monkeypatch, fwd, "kda_intra_a_fwd_kernel", lambda kw: launched.append("per chunk"))
+    _on_launch(monkeypatch, fwd, "kda_intra_a_fwd_rows_kernel", lambda kw: launched.append("per row block"))
+    results, views = [], []
+    for rows in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_A_ROW_PROGRAMS", rows)
+        checker = None
+        if rows and DEVICE == "cpu":
+            checker = _bounds_checker(monkeypatch, args + [h0_d, cu_d] + [x for x in gate_d if isinstance(x, torch.Tensor)])
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d)
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+        results.append((o, ht, cs))
+        views.append(_intermediates_views(kept, _layout(args[0], args[2], cu_d)[0]))
+    assert launched[-1] == "per row block" and launched.count("per row block") == 1, launched
+    assert "per row block" not in launched[:-1] and "per chunk" in launched, launched
+    flags = views[1]["steep"].flatten().tolist()
+    assert flags.count(1) >= 8 and 2 not in flags, flags  # the block references' chunks, no steep launch's
+    assert torch.equal(views[0]["steep"], views[1]["steep"])
+    for name in ("akk", "aqk", "qg", "kr"):
+        a, b = views[0][name].float().cpu(), views[1][name].float().cpu()
+        assert b.abs().max() > 0.1, name
+        # fp32: another order of summation, another reference where a chunk splits
+        torch.testing.assert_close(b, a, rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    for name, a, b in zip(("o", "ht", "chunk states"), *results):
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+    for name, b, ref in zip(("o", "ht"), results[1], want):
+        _rel_close(b, ref, name)
 
 
 def test_row_block_backward_only_where_the_gate_bounds_every_block():

@@ -172,9 +172,10 @@ def kda_bwd_triton(
                 num_warps=S.INTRA_BWD_A_ROWS_WARPS,
                 **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),
             )
-            kda_dg_of_chunk_kernel[(_cdiv(K, S.BKD_A), NC, B * HV)](
+            kda_dg_of_chunk_kernel[(_cdiv(K, S.DG_OF_CHUNK_BK), NC, B * HV)](
                 dgam, dgam_last, dg, g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part,
-                *s["VL_CHUNK"], T, NC, H=H, HV=HV, K=K, BT=BT, BKD=S.BKD_A, **flags, num_warps=4,
+                *s["VL_CHUNK"], T, NC, H=H, HV=HV, K=K, BT=BT, BKD=S.DG_OF_CHUNK_BK, **flags,
+                num_warps=S.DG_OF_CHUNK_WARPS,
             )
         elif S.INTRA_BWD_A_ONE_LAUNCH:
             # both kinds of chunk in one launch, each program on its chunk's path

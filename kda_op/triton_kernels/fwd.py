@@ -23,6 +23,7 @@ from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _gate_args, _gat
 from .decode import kda_recurrent_fwd_triton
 from .gam_fwd import kda_gam_fwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
+from .intra_a_fwd_rows import kda_intra_a_fwd_rows_kernel
 from .intra_wu_fwd import kda_intra_wu_fwd_kernel
 from .output_fwd import kda_output_fwd_kernel
 from .prep import kda_prep_fwd_kernel
@@ -41,6 +42,15 @@ def _no_steep_launch(ga: dict) -> bool:
     intra_a_fwd. The launch only exits then (0.31 ms at 2048 packed sequences of
     1-64 tokens on the H200: its 197k programs)."""
     return bool(S.SKIP_IDLE_STEEP_LAUNCH) and bool(S.INTRA_A_BLOCK_REFS) and _gate_bounds_every_block(ga)
+
+
+def _a_row_programs_serve(ga: dict, row_spreads: bool) -> bool:
+    """Whether the A's, Qg and Kr are formed by row blocks (intra_a_fwd_rows.py;
+    settings.INTRA_A_ROW_PROGRAMS): where every chunk can take block references
+    (fla's bounded gate, _host._gate_bounds_every_block) and its log decays are <= 0
+    (``row_spreads``: the steep flag from three rows of gam)."""
+    return (bool(S.INTRA_A_ROW_PROGRAMS) and bool(S.INTRA_A_BLOCK_REFS) and row_spreads
+            and _gate_bounds_every_block(ga))
 
 
 def _tilings(tile: int) -> tuple[dict, ...]:
@@ -110,7 +120,16 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # their own that the launches at BT skip (2)
     tile = S.SHORT_TILE if (S.SHORT_TILE and s["SHORT"] and gam_kernel and not traced) else 0
     tilings = _tilings(tile)
-    for tiling in tilings:
+    if _a_row_programs_serve(ga, row_spreads):
+        # one program per 16-row block (intra_a_fwd_rows.py): a short chunk's blocks past
+        # its rows return at once, so no tiles
+        _kernel(kda_intra_a_fwd_rows_kernel, traced)[(BT // BC, NC, B * HV)](
+            q, k, gam, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BC=BC,
+            BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
+            QG_FIRST=qg_first, KR_LAST=kr_last, num_warps=S.INTRA_A_ROWS_WARPS, num_stages=S.INTRA_A_ROWS_STAGES,
+            **(dict(maxnreg=S.INTRA_A_ROWS_MAXNREG) if S.INTRA_A_ROWS_MAXNREG else {}),
+        )
+    for tiling in (() if _a_row_programs_serve(ga, row_spreads) else tilings):
         _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
             q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
             SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
@@ -130,7 +149,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     for tiling in tilings:
         _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
             k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,
-            H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=s["BK"], BV=S.INTRA_WU_BV or s["BV"],
+            H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             W_FIRST=w_first, **tiling, num_warps=wu_warps,

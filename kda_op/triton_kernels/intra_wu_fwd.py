@@ -82,8 +82,6 @@ def _wu_chunk(
     o_r = tl.arange(0, R)
     o_t = o_r
     m_t = o_t < T
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
     o_c = tl.arange(0, BC)
 
     # Tm = (I + M)^-1, M = diag(beta) A_kk strictly lower. With D the BC x BC
@@ -135,14 +133,20 @@ def _wu_chunk(
     # W masked off where it is not stored (store_w): neither K nor gam is read there
     # (masks rather than a branch around W: the branch doubled the spills, sm_90a)
     m_sw = (o_t * 0 + store_w.to(tl.int32)) > 0
-    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
-                  mask=(m_t & m_sw)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # gam is reloaded rather than kept live through the inverse (register pressure).
-    b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :], mask=m_sw[:, None] & m_k[None, :],
-                    other=0.0)
-    b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
-    tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
-             mask=(m_t & m_sw)[:, None] & m_k[None, :])
+    # W's columns in K slices of BK (settings.INTRA_WU_BK; one slice of the whole K by
+    # default), as U's in V blocks: the columns are independent, and a slice's [R, BK]
+    # operands take fewer registers than the whole K's
+    for i_k in range(tl.cdiv(K, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
+                      mask=(m_t & m_sw)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        # gam is reloaded rather than kept live through the inverse (register pressure).
+        b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :],
+                        mask=m_sw[:, None] & m_k[None, :], other=0.0)
+        b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
+        tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
+                 mask=(m_t & m_sw)[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < V

@@ -44,6 +44,9 @@ TM_ROW_LOADS = 1
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
 # B1-T8192-H16 at 32; 16 the same within noise (0.607 / 0.170).
 INTRA_WU_BV = 32
+# ... and its K slices for W = Tm diag(beta) (K * exp(gam)) (None: the whole K in
+# one, BK). sm_90a (bf16, K = 128, two warps, Triton 3.6): see benchmarks/NOTES.md.
+INTRA_WU_BK = None
 # intra_a_fwd (the A's, Qg, Kr): K slices of BKA (bounded shared memory at any
 # K); a cap on its registers per thread (None: the compiler's choice, 255 at every
 # BKA; 168 lets three CTAs share an SM). On the H200 (bf16, bench_kernels.py,
@@ -146,6 +149,11 @@ INTRA_BWD_A_ROW_PROGRAMS = 0
 # compiler's choice; sm_90a, bf16, K = 128, Triton 3.6: 192 at four warps, no spills).
 INTRA_BWD_A_ROWS_WARPS = 4
 INTRA_BWD_A_ROWS_MAXNREG = None
+# ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
+# K slices and warps per program. Streaming work: 0.307 ms at B2-T8192-H8-HV32
+# layer-style with 32 and four (H200, 2026-12-03), where its bytes take ~0.13.
+DG_OF_CHUNK_BK = 32
+DG_OF_CHUNK_WARPS = 4
 # 16 -> 32 on the H200 (2026-12-01, bf16, fla's layer flags, where most chunks are
 # steep): forward+backward 4.747 -> 3.751 ms at B1-T8192-H16 (fla 3.72), o the same.
 BKD = 32
@@ -174,7 +182,23 @@ STEEP_BLOCK_REFS = 1
 # the steep launch took 0.30 of a 0.87 ms forward (GPU time, B1-T8192-H16) and 3.06
 # of 11.9 at 2048 packed sequences of 1-64 tokens (H200, 2026-12-01). Untimed.
 INTRA_A_BLOCK_REFS = 1
-# ... and the steep launch not run where no chunk can need it (fwd._no_steep_launch:
+# ... and where every chunk can take them (fla's bounded gate, as fla's layer trains:
+# _host._gate_bounds_every_block), the A's, Qg and Kr by one program per 16-row block
+# whose dots cover its own rows (1, intra_a_fwd_rows.py), instead of one program per
+# chunk whose block-reference dots run over every row with the other blocks' rows
+# zeroed (0: four times the dots' work). Built for B2-T8192-H8-HV32 layer-style, where
+# intra_a_fwd took 0.758 ms against 0.507 on the standard inputs (H200, 2026-12-03).
+# Untimed on a GPU: off.
+INTRA_A_ROW_PROGRAMS = 0
+# ... its K slices, warps, pipeline stages and register cap (None: the compiler's
+# choice). sm_90a (bf16, K = 128, Triton 3.6): K slices of 16 at four warps, three
+# stages: 128 registers, no spills, 15 KB shared (four CTAs an SM); of 32: 252
+# registers (one stage: 255 and spills; a cap of 128: 192 B spilled).
+INTRA_A_ROWS_BK = 16
+INTRA_A_ROWS_WARPS = 4
+INTRA_A_ROWS_STAGES = 3
+INTRA_A_ROWS_MAXNREG = None
+# With INTRA_A_BLOCK_REFS, the steep launch not run where no chunk can need it (fwd._no_steep_launch:
 # fla's bounded gate with |lower_bound| <= 7.375, block references on), instead of
 # always (0). On the H200 (2026-12-01, same process, fla's layer flags, 2048 packed
 # sequences of 1-64 tokens): forward 6.921 -> 6.664 ms, forward+backward 22.507 ->
