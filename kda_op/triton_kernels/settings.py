@@ -45,8 +45,11 @@ TM_ROW_LOADS = 1
 # B1-T8192-H16 at 32; 16 the same within noise (0.607 / 0.170).
 INTRA_WU_BV = 32
 # ... and its K slices for W = Tm diag(beta) (K * exp(gam)) (None: the whole K in
-# one, BK). sm_90a (bf16, K = 128, two warps, Triton 3.6): see benchmarks/NOTES.md.
-INTRA_WU_BK = None
+# one, BK). H200 (2026-12-03, bf16, B2-T8192-H8-HV32 layer-style, ours alone, same
+# process): 32 took intra_wu_fwd 0.582 -> 0.514 ms, forward 1.926 -> 1.857 (at four
+# warps 0.665). sm_90a (two warps, Triton 3.6): 255 registers both ways, spills 620 ->
+# 744 B: the slices' shorter live ranges, not the count, pay.
+INTRA_WU_BK = 32
 # intra_a_fwd (the A's, Qg, Kr): K slices of BKA (bounded shared memory at any
 # K); a cap on its registers per thread (None: the compiler's choice, 255 at every
 # BKA; 168 lets three CTAs share an SM). On the H200 (bf16, bench_kernels.py,
@@ -135,7 +138,13 @@ INTRA_BWD_A_ONE_LAUNCH = 1
 # B2-T8192-H8-HV32 layer-style 9.045 -> 8.987, varlen-mixed-T8192 0.731 -> 0.715 ms of
 # kda_intra_bwd_a; its GPU tests passed (grads against the masked dots and the
 # reference, fla's layer flags against fla, compiled training under it).
-INTRA_BWD_A_ROW_BLOCK_DOTS = 1
+# OFF since 2026-12-03: compute-sanitizer (memcheck) reports invalid reads in this
+# path (intra_bwd_a.py, dA_qk's rows of a block; addresses far outside any allocation,
+# from a garbage column register in one warp: sm_90a, Triton 3.6), and on the H200
+# test_cuda's bf16 strong-decay case faulted (illegal memory access) with it on; with
+# it off the sanitizer reports 0 errors on the same case and test_cuda's cases pass.
+# The inputs it was built for (fla's bounded gate) now take INTRA_BWD_A_ROW_PROGRAMS.
+INTRA_BWD_A_ROW_BLOCK_DOTS = 0
 # Where every chunk can take block references (fla's gate with lower_bound <= 0 and
 # BC / 2 * |lower_bound| < MAX_SPLIT, as fla's layer trains), the backward through the
 # A's as one program per 16-row block and a second launch for dg's reverse sum over
@@ -143,17 +152,21 @@ INTRA_BWD_A_ROW_BLOCK_DOTS = 1
 # sub-chunk too), instead of one program per chunk (0). Built for the GVA shape with
 # fla's layer flags, where kda_intra_bwd_a took 2.695 ms of an 8.95 ms step against
 # fla's 1.658 (H200, 2026-12-03); sm_90a (bf16, K = 128, Triton 3.6): see
-# benchmarks/NOTES.md. Untimed on a GPU: off.
-INTRA_BWD_A_ROW_PROGRAMS = 0
+# benchmarks/NOTES.md. H200 (2026-12-03, bf16, fla's layer flags, B2-T8192-H8-HV32, same
+# process): forward+backward 9.034 -> 8.646 ms (kda_intra_bwd_a 2.712 -> rows 2.028 +
+# dg 0.307); MAXNREG=168 8.709, eight warps 11.793. Its CUDA tests passed (grads against
+# the per-chunk path and the reference; fla's layer against fla).
+INTRA_BWD_A_ROW_PROGRAMS = 1
 # ... its warps per program and a cap on its registers per thread (None: the
 # compiler's choice; sm_90a, bf16, K = 128, Triton 3.6: 192 at four warps, no spills).
 INTRA_BWD_A_ROWS_WARPS = 4
 INTRA_BWD_A_ROWS_MAXNREG = None
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
-# K slices and warps per program. Streaming work: 0.307 ms at B2-T8192-H8-HV32
-# layer-style with 32 and four (H200, 2026-12-03), where its bytes take ~0.13.
+# K slices and warps per program. H200 (2026-12-03, B2-T8192-H8-HV32 layer-style, ours
+# alone): 0.306 ms at 32 / four warps, 0.223 at 32 / two (forward+backward 8.549 ->
+# 8.465), 0.271 at 64 / four, 0.414 at 128 / eight. Its bytes take ~0.13.
 DG_OF_CHUNK_BK = 32
-DG_OF_CHUNK_WARPS = 4
+DG_OF_CHUNK_WARPS = 2
 # 16 -> 32 on the H200 (2026-12-01, bf16, fla's layer flags, where most chunks are
 # steep): forward+backward 4.747 -> 3.751 ms at B1-T8192-H16 (fla 3.72), o the same.
 BKD = 32
@@ -187,9 +200,10 @@ INTRA_A_BLOCK_REFS = 1
 # whose dots cover its own rows (1, intra_a_fwd_rows.py), instead of one program per
 # chunk whose block-reference dots run over every row with the other blocks' rows
 # zeroed (0: four times the dots' work). Built for B2-T8192-H8-HV32 layer-style, where
-# intra_a_fwd took 0.758 ms against 0.507 on the standard inputs (H200, 2026-12-03).
-# Untimed on a GPU: off.
-INTRA_A_ROW_PROGRAMS = 0
+# intra_a_fwd took 0.758 ms against 0.507 on the standard inputs. H200 (2026-12-03,
+# bf16, same process, with INTRA_BWD_A_ROW_PROGRAMS): forward 1.978 -> 1.937 ms
+# (kda_intra_a_fwd 0.760 -> rows 0.718); with K slices of 32: 2.028 (0.814).
+INTRA_A_ROW_PROGRAMS = 1
 # ... its K slices, warps, pipeline stages and register cap (None: the compiler's
 # choice). sm_90a (bf16, K = 128, Triton 3.6): K slices of 16 at four warps, three
 # stages: 128 registers, no spills, 15 KB shared (four CTAs an SM); of 32: 252
