@@ -306,16 +306,24 @@ def _gate_tuple(x, gate):
     (5, "softplus", 0.0),                     # the recurrent kernel (T <= RECURRENT_MAX_T)
     # the steep chunks through the block references (settings.STEEP_BLOCK_REFS)
     (CHUNK_SIZE + 19, ("lb", -5.0), "3.0 block refs"),
+    # fla's bounded gate through the row programs (settings.INTRA_A_ROW_PROGRAMS,
+    # INTRA_BWD_A_ROW_PROGRAMS: block references for every chunk)
+    (CHUNK_SIZE + 19, ("lb", -5.0), "3.0 row programs"),
 ])
 def test_triton_gate_matches_reference(T, gate, steep_a, monkeypatch):
     """gam_fwd.py (forward and the backward's recompute), recurrent_fwd.py and
-    intra_bwd_a.py (both launches) with the gate, against the reference op."""
+    intra_bwd_a.py (both launches) with the gate, against the reference op; and the
+    row programs (intra_a_fwd_rows.py, intra_bwd_a_rows.py) where the case says so."""
     device = _triton_or_skip()
     from kda_op.triton_kernels import settings
 
     tol = dict(FP32_TOL)
     # the steep chunks through the former path (STEEP_BLOCK_REFS = 0) unless the case says block refs
     monkeypatch.setattr(settings, "STEEP_BLOCK_REFS", int(isinstance(steep_a, str)))
+    # the one-program-per-chunk kernels unless the case says row programs
+    rows = int(isinstance(steep_a, str) and "row programs" in steep_a)
+    monkeypatch.setattr(settings, "INTRA_A_ROW_PROGRAMS", rows)
+    monkeypatch.setattr(settings, "INTRA_BWD_A_ROW_PROGRAMS", rows)
     if isinstance(steep_a, str):
         steep_a = float(steep_a.split()[0])
         # Reduction order: the block references sum each entry's terms in another
