@@ -120,7 +120,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # their own that the launches at BT skip (2)
     tile = S.SHORT_TILE if (S.SHORT_TILE and s["SHORT"] and gam_kernel and not traced) else 0
     tilings = _tilings(tile)
-    if _a_row_programs_serve(ga, row_spreads):
+    a_rows = _a_row_programs_serve(ga, row_spreads)
+    if a_rows:
         # one program per 16-row block (intra_a_fwd_rows.py): a short chunk's blocks past
         # its rows return at once, so no tiles
         _kernel(kda_intra_a_fwd_rows_kernel, traced)[(BT // BC, NC, B * HV)](
@@ -129,7 +130,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             QG_FIRST=qg_first, KR_LAST=kr_last, num_warps=S.INTRA_A_ROWS_WARPS, num_stages=S.INTRA_A_ROWS_STAGES,
             **(dict(maxnreg=S.INTRA_A_ROWS_MAXNREG) if S.INTRA_A_ROWS_MAXNREG else {}),
         )
-    for tiling in (() if _a_row_programs_serve(ga, row_spreads) else tilings):
+    for tiling in (() if a_rows else tilings):
         _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
             q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
             SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
