@@ -1184,6 +1184,23 @@ def test_backward_scan_prefetch_gives_the_same_bits(case, monkeypatch):
             _rel_close(b, ref, name)
 
 
+def _row_block_problem(case, lengths, seed, h0_seed):
+    """The row-block tests' inputs under fla's bounded gate at lower_bound -5, on the CPU:
+    ``([q, k, v, g, beta], gate, cu_seqlens, h0)``. "batch": two sequences of 130 rows
+    as a batch (no cu_seqlens) with initial states; "packed-with-states": ``lengths``
+    packed, with initial states; "packed-training": without them."""
+    if case == "batch":
+        lengths = [130, 130]
+    cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, seed, gated=True, decay=1.0)
+    if case == "batch":
+        q, k, v, g, beta = (x.reshape(2, 130, *x.shape[2:]) for x in (q, k, v, g, beta))
+        cu = None
+    h0 = None
+    if case != "packed-training":
+        h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(h0_seed))
+    return [q, k, v, g, beta], gate, cu, h0
+
+
 @pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training"])
 def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, monkeypatch):
     """settings.INTRA_BWD_A_ROW_PROGRAMS (fla's bounded gate at lower_bound -5: one
@@ -1197,15 +1214,7 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
     from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import bwd, settings
 
-    lengths = [130, 130] if case == "batch" else [0, 1, 16, 17, 64, 65, 3, 200, 0, 130]
-    cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, 41, gated=True, decay=1.0)
-    if case == "batch":
-        q, k, v, g, beta = (x.reshape(2, 130, *x.shape[2:]) for x in (q, k, v, g, beta))
-        cu = None
-    h0 = None
-    if case != "packed-training":
-        h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(3))
-    cpu = [q, k, v, g, beta]
+    cpu, gate, cu, h0 = _row_block_problem(case, [0, 1, 16, 17, 64, 65, 3, 200, 0, 130], seed=41, h0_seed=3)
     want_fwd = _reference_fwd(*cpu, None, h0, gate, cu)
     gen = torch.Generator().manual_seed(7)
     do = torch.randn(want_fwd[0].shape, generator=gen)
@@ -1251,15 +1260,7 @@ def test_forward_a_by_row_blocks_matches_the_dots_over_every_row(case, monkeypat
     from kda_op.triton_kernels import fwd, settings
     from kda_op.triton_kernels._host import _intermediates_views, _layout
 
-    lengths = [130, 130] if case == "batch" else [0, 1, 16, 17, 64, 65, 3, 200, 0, 130, 31]
-    cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, 47, gated=True, decay=1.0)
-    if case == "batch":
-        q, k, v, g, beta = (x.reshape(2, 130, *x.shape[2:]) for x in (q, k, v, g, beta))
-        cu = None
-    h0 = None
-    if case != "packed-training":
-        h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(5))
-    cpu = [q, k, v, g, beta]
+    cpu, gate, cu, h0 = _row_block_problem(case, [0, 1, 16, 17, 64, 65, 3, 200, 0, 130, 31], seed=47, h0_seed=5)
     want = _reference_fwd(*cpu, None, h0, gate, cu)
     args = [x.to(DEVICE) for x in cpu]
     gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
