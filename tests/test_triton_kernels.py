@@ -1317,3 +1317,68 @@ def test_row_block_backward_only_where_the_gate_bounds_every_block():
         assert not _row_programs_serve(ga(2, -5.0))
     finally:
         settings.INTRA_BWD_A_ROW_PROGRAMS = old
+
+
+@pytest.mark.parametrize("case", ["batch-partial-slices", "packed-training", "packed-forward-only"])
+def test_w_and_u_in_slices_from_a_stored_tm_match_one_program_per_chunk(case, monkeypatch):
+    """settings.INTRA_WU_SPLIT (Tm in a launch of its own, then W and U one program per
+    K slice / V block from the stored Tm): the kept Tm, W, U and every output of the
+    forward (keeping its intermediates or not) equal the one-launch kernel's (the same
+    Tm, reloaded exactly; the same dots), the outputs within the fp64 reference's
+    tolerance, the grads within the reference's too; under the interpreter no access
+    leaves its tensor. "batch-partial-slices": K = 48, V = 40 in slices of 32 (a partial
+    K slice and V block) with an initial state; packed: empty sequences, one row, a
+    block and one more, a chunk and one more, a long one, fla's bounded gate."""
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    monkeypatch.setattr(settings, "SHORT_TILE", 0)  # short tiles keep the one launch
+    if case == "batch-partial-slices":
+        inputs = _inputs(2, 2 * CHUNK_SIZE + 9, 1, 2, 48, 40, True, seed=71)
+        args = [inputs[n] for n in NAMES]
+        gate, cu, h0 = None, None, inputs["initial_state"]
+        monkeypatch.setattr(settings, "INTRA_WU_SPLIT_BK", 32)
+        monkeypatch.setattr(settings, "INTRA_WU_SPLIT_BV", 32)
+        want = kda_forward_reference(*[x.cpu() for x in args], None, h0.cpu())
+    else:
+        cpu, gate, cu, h0 = _row_block_problem("packed-training", [0, 1, 16, 17, 64, 65, 3, 200, 0, 130], seed=73,
+                                               h0_seed=9)
+        want = _reference_fwd(*cpu, None, h0, gate, cu)
+        args = [x.to(DEVICE) for x in cpu]
+        gate = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+        cu = cu.to(DEVICE)
+        monkeypatch.setattr(settings, "INTRA_WU_SPLIT_BK", 16)  # K = 32: two slices; V = 16: one block
+        monkeypatch.setattr(settings, "INTRA_WU_SPLIT_BV", 16)
+    keep = case != "packed-forward-only"
+    if case == "batch-partial-slices":
+        monkeypatch.setattr(settings, "INTRA_WU_SPLIT", 1)
+        _check_fwd_bwd(args, h0, True, seed=72)  # the backward's recompute split too
+    parts = []
+    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel", lambda kw: parts.append(kw.get("PART", 0)))
+    results, views = [], []
+    for split in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_WU_SPLIT", split)
+        checker = None
+        if split and DEVICE == "cpu":
+            tensors = args + [x for x in (h0, cu) if x is not None]
+            tensors += [x for x in (gate or ()) if isinstance(x, torch.Tensor)]
+            checker = _bounds_checker(monkeypatch, tensors)
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0, keep, gate=gate, cu_seqlens=cu)
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+        results.append((o, ht, cs))
+        if keep:
+            views.append(_intermediates_views(kept, _layout(args[0], args[2], cu)[0]))
+    assert parts == [0, 1, 2], parts
+    for name, a, b in zip(("o", "ht", "chunk states"), *results):
+        assert a.abs().max() > 0.1, name
+        # fp32: the same Tm and the same dots; a tolerance for the dots' tiling (BK)
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
+    for name, b, ref in zip(("o", "ht"), results[1], want):
+        _rel_close(b, ref, name)
+    if keep:
+        for name in ("tm", "w", "u"):
+            a, b = views[0][name].float().cpu(), views[1][name].float().cpu()
+            assert b.abs().max() > 0.1, name
+            torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
