@@ -113,6 +113,11 @@ BKS = 32
 # 4 of them). 32 -> 64 (with 8 warps below) for that memory: 0.5 GiB less; the
 # kernel's spills at bf16, K = 128 492 -> 88 bytes (kernel_resources.py).
 BKS_W = 64
+# intra_bwd_w's V block (None: the common BV)
+INTRA_BWD_W_BV = None
+# intra_bwd_w's dO S0^T on bf16 operands where both are stored in bf16 (the same
+# products as TF32's: bf16 values are exact in both; fp32 accumulation)
+INTRA_BWD_W_BF16_DQG = 0
 # dS_C, the grad of each chunk's leaving state (the backward's [NC, HV, K, V]
 # buffer, also the prep kernel's Qg^T dO of the chunk), in bf16 for bf16 inputs
 # instead of fp32, as fla keeps its dh in the input dtype: half its bytes (0.5
