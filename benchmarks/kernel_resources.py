@@ -208,14 +208,6 @@ def main(argv: list[str] | None = None) -> int:
                 BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
            S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
-        # settings.INTRA_WU_SPLIT: Tm alone, then W and U by slices from it
-        *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
-           dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
-           dict(common, **varlen, BC=BC, BK=S.INTRA_WU_SPLIT_BK, BV=S.INTRA_WU_SPLIT_BV, STORE_TM=part == 1,
-                DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS, BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16",
-                PART=part),
-           S.INTRA_WU_TM_WARPS if part == 1 else S.INTRA_WU_SLICE_WARPS, 3)
-          for part in ((1, 2) if S.INTRA_WU_SPLIT else ())],
         (state_fwd.kda_state_fwd_kernel,
          dict(**vl_seq, kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=cs, ht=f32, **ints, slots="*i64"),
          dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN_FWD"], HAS_H0=True, DOT_PREC=prec,

@@ -147,28 +147,14 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
         )
     wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS
-    wu = dict(H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
-              BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], W_FIRST=w_first)
-    if S.INTRA_WU_SPLIT and not tile:
-        # Tm in a launch of its own (stored; a scratch buffer when nothing keeps it),
-        # then W and U from it, one program per K slice / V block (settings.INTRA_WU_SPLIT)
-        tm_split = tm if store_tm else torch.empty(B, T, HV, BT, **f32)
-        bk, bv = S.INTRA_WU_SPLIT_BK, S.INTRA_WU_SPLIT_BV
+    for tiling in tilings:
         _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-            k, v, beta, gam, akk, w, u, tm_split, *s["VL_CHUNK"], T, NC, **wu, BK=bk, BV=bv,
-            STORE_TM=True, PART=1, num_warps=S.INTRA_WU_TM_WARPS,
+            k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,
+            H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
+            STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
+            BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
+            W_FIRST=w_first, **tiling, num_warps=wu_warps,
         )
-        _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV, _cdiv(K, bk) + _cdiv(V, bv))](
-            k, v, beta, gam, akk, w, u, tm_split, *s["VL_CHUNK"], T, NC, **wu, BK=bk, BV=bv,
-            STORE_TM=False, PART=2, num_warps=S.INTRA_WU_SLICE_WARPS,
-        )
-    else:
-        for tiling in tilings:
-            _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-                k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC, **wu,
-                BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=store_tm, **tiling,
-                num_warps=wu_warps,
-            )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
 

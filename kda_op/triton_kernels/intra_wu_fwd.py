@@ -4,10 +4,6 @@ One program per (chunk, batch * value head). From A_kk and gam (intra_a_fwd.py):
   Tm = (I + diag(beta) A_kk)^-1                (stored when STORE_TM: the backward needs it)
   W  = Tm diag(beta) (K * exp(gam))            [B, T, HV, K]  (the scans' operand dtype)
   U  = Tm diag(beta) V                         [B, T, HV, V]  (fp32)
-or, in two launches (PART, settings.INTRA_WU_SPLIT): PART 1 Tm alone, stored; PART 2
-W and U from the stored Tm, one program per (chunk, batch * value head, K or V slice):
-the inverse's serial steps then run in programs that hold no W/U operands, and the
-dots in programs that hold no inverse.
 """
 
 from __future__ import annotations
@@ -31,7 +27,7 @@ def kda_intra_wu_fwd_kernel(
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
-    PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True, PART: tl.constexpr = 0,
+    PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True,
 ):
     # TILE / SKIP_TILED / PICK_TILE: as in intra_a_fwd.py (the chunks of at most TILE
     # rows on [TILE, TILE] tiles, in a launch of their own or, PICK_TILE, in this one);
@@ -49,7 +45,6 @@ def kda_intra_wu_fwd_kernel(
         if left_to_the_other_launch(T, TILE, SKIP_TILED):
             return
     tl.static_assert((TILE == 0 and PICK_TILE == 0) or IS_VARLEN, "tiles of TILE rows: packed sequences")
-    tl.static_assert(PART == 0 or (TILE == 0 and PICK_TILE == 0), "PART 1 / 2: [BT, BT] tiles only")
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     k += (bos * H + i_h) * K
@@ -64,14 +59,14 @@ def kda_intra_wu_fwd_kernel(
     if PICK_TILE > 0:
         if T <= PICK_TILE:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, PICK_TILE,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, PART)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
         else:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, BT,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, PART)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
     else:
         R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
         _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, R,
-                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, PART)
+                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
 
 
 @triton.jit
@@ -79,36 +74,11 @@ def _wu_chunk(
     k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     R: tl.constexpr, STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
-    BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr, PART: tl.constexpr,
+    BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One chunk's Tm, W and U on [R, R] tiles (R = BT, or a short chunk's tile);
     the pointers are at the chunk's first row and this head, T its rows; W stored
-    where ``store_w``. PART 1: Tm alone (stored); PART 2: one K slice of W or V
-    block of U (program_id(2)) from the stored Tm."""
-    o_r = tl.arange(0, R)
-    o_t = o_r
-    m_t = o_t < T
-    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-    if PART == 2:
-        b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
-        _wu_slice(k, v, gam, w, u, b_tm, b_beta, store_w, T, H, HV, K, V, BK, BV, R, DOT_PREC, BF16_DOTS, INTERPRET)
-    else:
-        b_tm = _tm_of_chunk(beta, akk, b_beta, T, HV, BT, BC, R, DOT_PREC, TM_ROW_LOADS)
-        if STORE_TM or PART == 1:
-            tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], b_tm, mask=m_t[:, None])
-            if R < BT:  # the columns past the tile: zero
-                o_z = R + tl.arange(0, BT - R)
-                tl.store(tm + (o_t[:, None]) * (HV * BT) + o_z[None, :], tl.zeros([R, BT - R], dtype=tl.float32),
-                         mask=m_t[:, None])
-        if PART == 0:
-            _wu_all(k, v, gam, w, u, b_tm, b_beta, store_w, T, H, HV, K, V, BK, BV, R, DOT_PREC, BF16_DOTS,
-                    INTERPRET)
-
-
-@triton.jit
-def _tm_of_chunk(beta, akk, b_beta, T, HV, BT: tl.constexpr, BC: tl.constexpr, R: tl.constexpr,
-                 DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr):
-    """Tm = (I + diag(beta) A_kk)^-1 of one chunk on [R, R] tiles (fp32)."""
+    where ``store_w``."""
     o_r = tl.arange(0, R)
     o_t = o_r
     m_t = o_t < T
@@ -120,6 +90,7 @@ def _tm_of_chunk(beta, akk, b_beta, T, HV, BT: tl.constexpr, BC: tl.constexpr, R
     # steps on [NB, BC, BC]); P is strictly block-lower, so P^NB = 0 and
     # (I + P)^-1 = (I - P)(I + P^2) for NB = 4 (I - P for NB = 2, a tile of 32
     # rows): three dots instead of BT - 1 sequential row updates.
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
     b_a = tl.load(akk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
     b_m = b_beta[:, None] * b_a
@@ -152,45 +123,13 @@ def _tm_of_chunk(beta, akk, b_beta, T, HV, BT: tl.constexpr, BC: tl.constexpr, R
         b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
     else:
         b_tm = tl.dot(b_eye - b_p, b_dinv, input_precision=DOT_PREC)
-    return b_tm
+    if STORE_TM:
+        tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], b_tm, mask=m_t[:, None])
+        if R < BT:  # the columns past the tile: zero
+            o_z = R + tl.arange(0, BT - R)
+            tl.store(tm + (o_t[:, None]) * (HV * BT) + o_z[None, :], tl.zeros([R, BT - R], dtype=tl.float32),
+                     mask=m_t[:, None])
 
-
-@triton.jit
-def _w_cols(k, gam, w, b_tm, b_beta, m_sw, o_k, T, H, HV, K: tl.constexpr, R: tl.constexpr,
-            DOT_PREC: tl.constexpr, BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr):
-    """W's columns ``o_k``: Tm diag(beta) (K * exp(gam)), stored where ``m_sw``."""
-    o_t = tl.arange(0, R)
-    m_t = o_t < T
-    m_k = o_k < K
-    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
-                  mask=(m_t & m_sw)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-    # gam is reloaded rather than kept live through the inverse (register pressure).
-    b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :],
-                    mask=m_sw[:, None] & m_k[None, :], other=0.0)
-    b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
-    tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
-             mask=(m_t & m_sw)[:, None] & m_k[None, :])
-
-
-@triton.jit
-def _u_cols(v, u, b_tm, b_beta, o_v, T, HV, V: tl.constexpr, R: tl.constexpr,
-            DOT_PREC: tl.constexpr, BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr):
-    """U's columns ``o_v``: Tm diag(beta) V."""
-    o_t = tl.arange(0, R)
-    m_t = o_t < T
-    m_v = o_v < V
-    p_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
-    b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    b_u = dot(b_tm, b_beta[:, None] * b_v, BF16_DOTS, DOT_PREC, INTERPRET)
-    tl.store(u + p_v, as_stored(b_u, u, INTERPRET), mask=m_t[:, None] & m_v[None, :])
-
-
-@triton.jit
-def _wu_all(k, v, gam, w, u, b_tm, b_beta, store_w, T, H, HV, K: tl.constexpr, V: tl.constexpr,
-            BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, DOT_PREC: tl.constexpr,
-            BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr):
-    """All of W (K slices of BK) and U (V blocks of BV) from Tm in registers."""
-    o_t = tl.arange(0, R)
     # W masked off where it is not stored (store_w): neither K nor gam is read there
     # (masks rather than a branch around W: the branch doubled the spills, sm_90a)
     m_sw = (o_t * 0 + store_w.to(tl.int32)) > 0
@@ -198,25 +137,20 @@ def _wu_all(k, v, gam, w, u, b_tm, b_beta, store_w, T, H, HV, K: tl.constexpr, V
     # columns are independent, and a slice's [R, BK] operands live shorter than the
     # whole K's (faster on the H200 at the same register count)
     for i_k in range(tl.cdiv(K, BK)):
-        _w_cols(k, gam, w, b_tm, b_beta, m_sw, i_k * BK + tl.arange(0, BK), T, H, HV, K, R, DOT_PREC, BF16_DOTS,
-                INTERPRET)
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < K
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
+                      mask=(m_t & m_sw)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        # gam is reloaded rather than kept live through the inverse (register pressure).
+        b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :],
+                        mask=m_sw[:, None] & m_k[None, :], other=0.0)
+        b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
+        tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
+                 mask=(m_t & m_sw)[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
-        _u_cols(v, u, b_tm, b_beta, i_v * BV + tl.arange(0, BV), T, HV, V, R, DOT_PREC, BF16_DOTS, INTERPRET)
-
-
-@triton.jit
-def _wu_slice(k, v, gam, w, u, b_tm, b_beta, store_w, T, H, HV, K: tl.constexpr, V: tl.constexpr,
-              BK: tl.constexpr, BV: tl.constexpr, R: tl.constexpr, DOT_PREC: tl.constexpr,
-              BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr):
-    """PART 2: program_id(2) < cdiv(K, BK) takes that K slice of W, the rest a V
-    block of U each."""
-    o_t = tl.arange(0, R)
-    i_s = tl.program_id(2)
-    NKS: tl.constexpr = (K + BK - 1) // BK
-    if i_s < NKS:
-        m_sw = (o_t * 0 + store_w.to(tl.int32)) > 0
-        _w_cols(k, gam, w, b_tm, b_beta, m_sw, i_s * BK + tl.arange(0, BK), T, H, HV, K, R, DOT_PREC, BF16_DOTS,
-                INTERPRET)
-    else:
-        _u_cols(v, u, b_tm, b_beta, (i_s - NKS) * BV + tl.arange(0, BV), T, HV, V, R, DOT_PREC, BF16_DOTS,
-                INTERPRET)
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        p_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        b_u = dot(b_tm, b_beta[:, None] * b_v, BF16_DOTS, DOT_PREC, INTERPRET)
+        tl.store(u + p_v, as_stored(b_u, u, INTERPRET), mask=m_t[:, None] & m_v[None, :])

@@ -50,16 +50,6 @@ INTRA_WU_BV = 32
 # warps 0.665). sm_90a (two warps, Triton 3.6): 255 registers both ways, spills 620 ->
 # 744 B: the slices' shorter live ranges, not the count, pay.
 INTRA_WU_BK = 32
-# intra_wu_fwd in two launches (1): Tm alone (INTRA_WU_TM_WARPS), stored (into a
-# scratch buffer when nothing keeps it), then W and U from it, one program per K
-# slice of INTRA_WU_SPLIT_BK / V block of INTRA_WU_SPLIT_BV (INTRA_WU_SLICE_WARPS),
-# instead of one program per chunk doing all three (0). Chunks on short tiles
-# (settings.SHORT_TILE) keep the one launch.
-INTRA_WU_SPLIT = 0
-INTRA_WU_SPLIT_BK = 64
-INTRA_WU_SPLIT_BV = 64
-INTRA_WU_TM_WARPS = 4
-INTRA_WU_SLICE_WARPS = 4
 # intra_a_fwd (the A's, Qg, Kr): K slices of BKA (bounded shared memory at any
 # K); a cap on its registers per thread (None: the compiler's choice, 255 at every
 # BKA; 168 lets three CTAs share an SM). On the H200 (bf16, bench_kernels.py,
