@@ -1317,3 +1317,47 @@ def test_row_block_backward_only_where_the_gate_bounds_every_block():
         assert not _row_programs_serve(ga(2, -5.0))
     finally:
         settings.INTRA_BWD_A_ROW_PROGRAMS = old
+
+
+@pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training"])
+def test_diagonal_inverses_by_the_row_programs_give_the_one_launch_tm(case, monkeypatch):
+    """settings.INTRA_DIAG_INV_IN_ROWS (the row programs invert their blocks' diagonal
+    blocks of I + diag(beta) A_kk; intra_wu_fwd merges them into Tm with dots): the kept
+    Tm, W, U and every output within fp32 rounding of intra_wu_fwd's own substitution
+    (the same steps; another order only in the merge's dots), the outputs within the
+    fp64 reference's tolerance; under the interpreter no access leaves its tensor.
+    Packed: empty sequences, one row, a block and one more, a chunk and one more,
+    short chunks on their tiles, a long one."""
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    monkeypatch.setattr(settings, "INTRA_A_ROW_PROGRAMS", 1)
+    cpu, gate, cu, h0 = _row_block_problem(case, [0, 1, 16, 17, 64, 65, 3, 200, 0, 130, 31], seed=83, h0_seed=11)
+    want = _reference_fwd(*cpu, None, h0, gate, cu)
+    args = [x.to(DEVICE) for x in cpu]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
+    seen = []
+    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel", lambda kw: seen.append(kw["DINV_IN"]))
+    results, views = [], []
+    for diag_inv in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_DIAG_INV_IN_ROWS", diag_inv)
+        checker = None
+        if diag_inv and DEVICE == "cpu":
+            checker = _bounds_checker(monkeypatch, args + [h0_d, cu_d] + [x for x in gate_d if isinstance(x, torch.Tensor)])
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d)
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+        results.append((o, ht, cs))
+        views.append(_intermediates_views(kept, _layout(args[0], args[2], cu_d)[0]))
+    assert False in seen and True in seen and seen[-1], seen
+    for name in ("tm", "w", "u"):
+        a, b = views[0][name].float().cpu(), views[1][name].float().cpu()
+        assert b.abs().max() > 0.1, name
+        # fp32: the same substitution; the merge's dots in another tiling
+        torch.testing.assert_close(b, a, rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
+    for name, a, b in zip(("o", "ht", "chunk states"), *results):
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=2e-5, atol=2e-6, msg=lambda m: f"{name}: {m}")
+    for name, b, ref in zip(("o", "ht"), results[1], want):
+        _rel_close(b, ref, name)
