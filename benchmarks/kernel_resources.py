@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, ds_offsets="*i64", scale="fp32",
               **ints),
-         dict(common, **varlen, BKS=S.BKS_W, BV=S.INTRA_BWD_W_BV or s["BV"], DOT_PREC=prec,
+         dict(common, **varlen, BKS=S.BKS_W, BV=s["BV"], DOT_PREC=prec,
               BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and args.dtype == "bf16" and cs == "*bf16"), S.INTRA_BWD_W_WARPS, 1),
         (intra_bwd.kda_intra_bwd_kernel,
          dict(**vl_chunk, v=x, beta=x, akk=f32, tm=f32, up=res, dup=f32, do=x, dtm_part=f32, dbeta_part=f32,

@@ -133,7 +133,7 @@ def kda_bwd_triton(
             q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
             dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
             *s["VL_CHUNK"], ds_offsets, scale, T, NC,
-            H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BV=S.INTRA_BWD_W_BV or s["BV"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BV=s["BV"],
             # one stage: its V loop is short, and prefetching it cost spills at 4 warps
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
             COMPACT=compact, num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,

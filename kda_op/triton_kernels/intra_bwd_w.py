@@ -34,9 +34,9 @@ def kda_intra_bwd_w_kernel(
     IS_VARLEN: tl.constexpr = False, HAS_H0: tl.constexpr = True, HAS_DHT: tl.constexpr = True,
     COMPACT: tl.constexpr = False, BF16_DQG: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
-    # BF16_DQG: dO and the chunk states both hold bf16 (bf16 inputs, bf16 chunk
-    # states): dO S0^T on bf16 operands, the same products as at TF32 (bf16 values
-    # are exact in both), fp32 accumulation, half the operand registers.
+    # BF16_DQG (settings.INTRA_BWD_W_BF16_DQG): dO and the chunk states both hold bf16
+    # (bf16 inputs and chunk states): dO S0^T on bf16 operands, the same products as
+    # at TF32 (bf16 values are exact in both), accumulated in fp32.
     # The K slice varies fastest over the grid: the slices of one chunk run side by
     # side and share their loads of dO, U', dU', Tm through L2.
     i_s = tl.program_id(0)
@@ -90,6 +90,8 @@ def kda_intra_bwd_w_kernel(
             dsc_base = dchunk_states + ((tl.load(ds_offsets + i_b) + c_seq) * HV + i_hv) * K * V
         else:
             dsc_base = dchunk_states + i_chunk * K * V
+        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
         b_dqg = tl.zeros([BT, BKS], dtype=tl.float32)
         b_dkr = tl.zeros([BT, BKS], dtype=tl.float32)
         b_dw = tl.zeros([BT, BKS], dtype=tl.float32)
@@ -115,35 +117,38 @@ def kda_intra_bwd_w_kernel(
             b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
             b_dglast += tl.sum(b_s0 * b_dsc, 1)
 
-        # Each result stored as soon as it is whole, so that its operands die early
-        # (registers: the program holds [BT, BKS] fp32 tiles at 255 per thread).
-        b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-        b_eg = tl.exp(b_gam)
-        # O = Qg S0 + ...
         b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-        tl.store(dq + row_s, b_dqg * b_eg, mask=m_ts)
-        b_dgam = b_dqg * b_q * b_eg
-        # S_C = exp(Gam) S0 + Kr^T U'
         b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+        b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
         b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_s, mask=m_s, other=0.0)
-        b_rf = tl.exp(b_glast[None, :] - b_gam)
-        b_dk = b_dkr * b_rf
-        b_dkr_kr = b_dkr * (b_k * b_rf)
-        b_dgam -= b_dkr_kr
-        tl.store(dgam_last + o_s, b_dglast * tl.exp(b_glast) + tl.sum(b_dkr_kr, 0), mask=m_s)
-        # W = Tm diag(beta) Kg (beta and Tm loaded here, not live through the V loop)
-        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_eg = tl.exp(b_gam)
         b_kg = b_k * b_eg
+        b_rf = tl.exp(b_glast[None, :] - b_gam)
+        b_kr = b_k * b_rf
+
+        # O = Qg S0 + ...; S_C = exp(Gam) S0 + Kr^T U'
+        b_dq = b_dqg * b_eg
+        b_dgam = b_dqg * b_q * b_eg
+        b_dk = b_dkr * b_rf
+        b_dgam -= b_dkr * b_kr
+        b_dglast = b_dglast * tl.exp(b_glast) + tl.sum(b_dkr * b_kr, 0)
+        # W = Tm diag(beta) Kg
+        b_bkg = b_beta[:, None] * b_kg
+        b_dtm = tl.dot(b_dw, tl.trans(b_bkg), input_precision=DOT_PREC)
+        b_tdw = tl.dot(tl.trans(b_tm), b_dw, input_precision=DOT_PREC)
+        b_dbeta = tl.sum(b_kg * b_tdw, 1)
+        b_dkg = b_beta[:, None] * b_tdw
+        b_dk += b_dkg * b_eg
+        b_dgam += b_dkg * b_kg
+
+        tl.store(dq + row_s, b_dq, mask=m_ts)
+        tl.store(dk + row_s, b_dk, mask=m_ts)
+        tl.store(dgam + row_s, b_dgam, mask=m_ts)
+        tl.store(dgam_last + o_s, b_dglast, mask=m_s)
         # this slice's share of dTm and dbeta (rows past the end are zero: not stored);
         # intra_bwd.py sums the slices
-        tl.store(dtm_part + o_t[:, None] * (HV * NS * BT) + o_r[None, :],
-                 tl.dot(b_dw, tl.trans(b_beta[:, None] * b_kg), input_precision=DOT_PREC), mask=m_t[:, None])
-        b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
-        b_tdw = tl.dot(tl.trans(b_tm), b_dw, input_precision=DOT_PREC)
-        tl.store(dbeta_part + o_t * (HV * NS), tl.sum(b_kg * b_tdw, 1), mask=m_t)
-        b_dkg = b_beta[:, None] * b_tdw
-        tl.store(dk + row_s, b_dk + b_dkg * b_eg, mask=m_ts)
-        tl.store(dgam + row_s, b_dgam + b_dkg * b_kg, mask=m_ts)
+        tl.store(dtm_part + o_t[:, None] * (HV * NS * BT) + o_r[None, :], b_dtm, mask=m_t[:, None])
+        tl.store(dbeta_part + o_t * (HV * NS), b_dbeta, mask=m_t)
     else:
         b_zero = tl.zeros([BT, BKS], dtype=tl.float32)
         tl.store(dq + row_s, b_zero, mask=m_ts)

@@ -103,11 +103,13 @@ BKS = 32
 # 4 of them). 32 -> 64 (with 8 warps below) for that memory: 0.5 GiB less; the
 # kernel's spills at bf16, K = 128 492 -> 88 bytes (kernel_resources.py).
 BKS_W = 64
-# intra_bwd_w's V block (None: the common BV)
-INTRA_BWD_W_BV = None
-# intra_bwd_w's dO S0^T on bf16 operands where both are stored in bf16 (the same
-# products as TF32's: bf16 values are exact in both; fp32 accumulation)
-INTRA_BWD_W_BF16_DQG = 0
+# intra_bwd_w's dO S0^T on bf16 operands where both are stored in bf16 (bf16 inputs
+# and chunk states): the same products as TF32's (bf16 values are exact in both), fp32
+# accumulation. H200 (2026-12-03, Triton 3.6, ours alone, layer-style, same process):
+# kda_intra_bwd_w 2.205 -> 2.092 ms at B2-T8192-H8-HV32 and 0.562 -> 0.534 at
+# B1-T8192-H16 (measured on a reordering of the kernel's tail, since dropped, which had
+# taken it 2.086 -> 2.205). Its V block at 32 instead of 64 took it to 2.903 / 0.735.
+INTRA_BWD_W_BF16_DQG = 1
 # dS_C, the grad of each chunk's leaving state (the backward's [NC, HV, K, V]
 # buffer, also the prep kernel's Qg^T dO of the chunk), in bf16 for bf16 inputs
 # instead of fp32, as fla keeps its dh in the input dtype: half its bytes (0.5
@@ -213,7 +215,7 @@ INTRA_A_ROW_PROGRAMS = 1
 # I + diag(beta) A_kk (intra_a_fwd_rows.py, DIAG_INV), and intra_wu_fwd merges those
 # into Tm with its dots instead of running the forward substitution itself (1); 0:
 # intra_wu_fwd's substitution. One more [B, T, HV, BC] fp32 buffer in the forward.
-INTRA_DIAG_INV_IN_ROWS = 0
+INTRA_DIAG_INV_IN_ROWS = 1
 # ... its K slices, warps, pipeline stages and register cap (None: the compiler's
 # choice). sm_90a (bf16, K = 128, Triton 3.6): K slices of 16 at four warps, three
 # stages: 128 registers, no spills, 15 KB shared (four CTAs an SM); of 32: 252
