@@ -193,10 +193,8 @@ def main(argv: list[str] | None = None) -> int:
               BKR=min(128, triton.next_power_of_2(K))),
          S.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd_rows.kda_intra_a_fwd_rows_kernel,
-         dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, beta=x, dinv=f32,
-              scale=scale_type, **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT,
-              DIAG_INV=bool(S.INTRA_DIAG_INV_IN_ROWS)),
+         dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT),
          S.INTRA_A_ROWS_WARPS, S.INTRA_A_ROWS_STAGES),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
@@ -205,10 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         # as the forward that keeps its intermediates (and the backward's recompute)
         # launches it, then as one that keeps nothing
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
-           dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, dinv=f32, w=op, u=res, tm=f32, **ints),
+           dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
            dict(common, **varlen, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
-                BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16",
-                DINV_IN=bool(S.INTRA_DIAG_INV_IN_ROWS and S.INTRA_A_ROW_PROGRAMS) and args.gate == 2),
+                BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
            S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
         (state_fwd.kda_state_fwd_kernel,

@@ -121,15 +121,11 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     tile = S.SHORT_TILE if (S.SHORT_TILE and s["SHORT"] and gam_kernel and not traced) else 0
     tilings = _tilings(tile)
     a_rows = _a_row_programs_serve(ga, row_spreads)
-    # the diagonal blocks' inverses by the row programs (settings.INTRA_DIAG_INV_IN_ROWS)
-    diag_inv = a_rows and bool(S.INTRA_DIAG_INV_IN_ROWS)
-    dinv = torch.empty(B, T, HV, BC, **f32) if diag_inv else akk  # akk: a stand-in, never read
     if a_rows:
         # one program per 16-row block (intra_a_fwd_rows.py): a short chunk's blocks past
         # its rows return at once, so no tiles
         _kernel(kda_intra_a_fwd_rows_kernel, traced)[(BT // BC, NC, B * HV)](
-            q, k, gam, akk, aqk, steep, qg, kr, beta, dinv, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K,
-            BT=BT, BC=BC, DIAG_INV=diag_inv,
+            q, k, gam, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BC=BC,
             BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             QG_FIRST=qg_first, KR_LAST=kr_last, num_warps=S.INTRA_A_ROWS_WARPS, num_stages=S.INTRA_A_ROWS_STAGES,
             **(dict(maxnreg=S.INTRA_A_ROWS_MAXNREG) if S.INTRA_A_ROWS_MAXNREG else {}),
@@ -153,7 +149,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS
     for tiling in tilings:
         _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-            k, v, beta, gam, akk, dinv, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=diag_inv,
+            k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],

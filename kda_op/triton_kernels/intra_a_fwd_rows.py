@@ -22,12 +22,6 @@ gam) (Gam: the chunk's last gam) are written in the same pass over K, and block 
 program writes the chunk's steep flag as intra_a_fwd.py would (0 where the split at the
 middle row serves the backward, else 1: block references; never 2, the steep launch's).
 gam comes from gam_fwd.py.
-
-DIAG_INV (settings.INTRA_DIAG_INV_IN_ROWS): each program also inverts its block's
-diagonal block of I + diag(beta) A_kk (forward substitution, BC - 1 steps on the rows
-it just stored) into ``dinv`` [B, T, HV, BC], which intra_wu_fwd.py then merges into
-Tm with dots instead of running the substitution for the four blocks itself: the
-serial steps spread over four times the programs.
 """
 
 from __future__ import annotations
@@ -41,14 +35,13 @@ from ._indexing import chunk_coords, chunk_in_sequence, gam_row
 
 @triton.jit
 def kda_intra_a_fwd_rows_kernel(
-    q, k, gam, akk, aqk, steep, qg, kr, beta, dinv,
+    q, k, gam, akk, aqk, steep, qg, kr,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True,
-    DIAG_INV: tl.constexpr = False,
 ):
     # QG_FIRST / KR_LAST: as in intra_a_fwd.py (no Qg in a sequence's first chunk, no Kr
     # in its last, where nothing reads them).
@@ -77,8 +70,6 @@ def kda_intra_a_fwd_rows_kernel(
     aqk += (bos * HV + i_hv) * BT
     qg += (bos * HV + i_hv) * K
     kr += (bos * HV + i_hv) * K
-    beta += bos * HV + i_hv
-    dinv += (bos * HV + i_hv) * BC
     store_qg = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | QG_FIRST
     store_kr = (T > BT) | KR_LAST
     if i_blk == 0:
@@ -101,28 +92,6 @@ def kda_intra_a_fwd_rows_kernel(
     else:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BT,
               DOT_PREC, INTERPRET)
-    if DIAG_INV:
-        tl.debug_barrier()  # the block's rows of A_kk, just stored, read back by every thread
-        _diagonal_inverse(akk, beta, dinv, T, i_blk, HV, BT, BC)
-
-
-@triton.jit
-def _diagonal_inverse(akk, beta, dinv, T, i_blk, HV, BT: tl.constexpr, BC: tl.constexpr):
-    """(I + D)^-1 of block ``i_blk``'s diagonal block D of diag(beta) A_kk, by forward
-    substitution on its rows read back from ``akk`` (row r of the inverse: e_r minus D's
-    row r times the rows before it), stored to ``dinv``'s rows of the block; rows past
-    T are e_r (as intra_wu_fwd.py's substitution gives them)."""
-    o_c = tl.arange(0, BC)
-    t0 = i_blk * BC
-    b_x = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-    for r in range(1, BC):
-        m_r = (o_c * 0 + t0 + r) < T
-        b_br = tl.load(beta + (t0 + r + o_c * 0) * HV, mask=m_r, other=0.0).to(tl.float32)
-        b_d = b_br * tl.load(akk + (t0 + r) * (HV * BT) + t0 + o_c, mask=m_r & (o_c < r), other=0.0)
-        b_row = tl.where(o_c == r, 1.0, 0.0) - tl.sum(b_d[:, None] * b_x, 0)
-        b_x = tl.where((o_c == r)[:, None], b_row[None, :], b_x)
-    o_i = t0 + o_c
-    tl.store(dinv + o_i[:, None] * (HV * BC) + o_c[None, :], b_x, mask=(o_i < T)[:, None])
 
 
 @triton.jit

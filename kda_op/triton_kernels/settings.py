@@ -211,11 +211,6 @@ INTRA_A_BLOCK_REFS = 1
 # bf16, same process, with INTRA_BWD_A_ROW_PROGRAMS): forward 1.978 -> 1.937 ms
 # (kda_intra_a_fwd 0.760 -> rows 0.718); with K slices of 32: 2.028 (0.814).
 INTRA_A_ROW_PROGRAMS = 1
-# With the row programs above: each also inverts its block's diagonal block of
-# I + diag(beta) A_kk (intra_a_fwd_rows.py, DIAG_INV), and intra_wu_fwd merges those
-# into Tm with its dots instead of running the forward substitution itself (1); 0:
-# intra_wu_fwd's substitution. One more [B, T, HV, BC] fp32 buffer in the forward.
-INTRA_DIAG_INV_IN_ROWS = 1
 # ... its K slices, warps, pipeline stages and register cap (None: the compiler's
 # choice). sm_90a (bf16, K = 128, Triton 3.6): K slices of 16 at four warps, three
 # stages: 128 registers, no spills, 15 KB shared (four CTAs an SM); of 32: 252
