@@ -590,7 +590,15 @@ def test_triton_varlen_matches_reference(with_h0, with_dht):
                                intermediates, gate=gate_d, cu_seqlens=cu_d)
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), grads, grads_ref):
             assert a.shape == b.shape, name
-            torch.testing.assert_close(a.cpu(), b, **FP32_TOL, msg=lambda m: f"{name}: {m}")
+            tol = FP32_TOL
+            if name in ("dA_log", "ddt_bias"):
+                # sums over every token: an entry that cancels to near zero keeps the rounding
+                # of terms as large as the vector's largest entry, so the relative part of the
+                # tolerance is taken of that (H200, row-block backward: ddt_bias[18] = -0.017
+                # off by 3.4e-5 where the largest entry is 1.78; the fp32 CPU reference is
+                # within 6e-9 of fp64 there)
+                tol = dict(rtol=0.0, atol=FP32_TOL["atol"] + FP32_TOL["rtol"] * b.abs().max().item())
+            torch.testing.assert_close(a.cpu(), b, **tol, msg=lambda m: f"{name}: {m}")
     o, ht = kda_recurrent_fwd_triton(*args, None, h0, gate=gate_d, cu_seqlens=cu_d)
     torch.testing.assert_close(o.cpu(), want[0], **FP32_TOL)
     torch.testing.assert_close(ht.cpu(), want[1], **FP32_TOL)

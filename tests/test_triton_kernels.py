@@ -1317,3 +1317,31 @@ def test_row_block_backward_only_where_the_gate_bounds_every_block():
         assert not _row_programs_serve(ga(2, -5.0))
     finally:
         settings.INTRA_BWD_A_ROW_PROGRAMS = old
+
+
+def test_intra_bwd_w_takes_bf16_dots_where_do_and_the_states_are_bf16(monkeypatch):
+    """settings.INTRA_BWD_W_BF16_DQG: with bf16 dO and bf16 chunk states (as the CUDA
+    forward keeps them for bf16 inputs) intra_bwd_w's dO S0^T runs on bf16 operands,
+    whose values are those of the TF32 / fp32 operands it replaces: every grad as with
+    the setting off, to fp32 accumulation order; fp32 states keep the other dot."""
+    from kda_op.triton_kernels import bwd, settings
+
+    inputs = _inputs(1, 2 * CHUNK_SIZE + 9, 1, 2, 32, 24, True, seed=91)
+    args = [inputs[n].to(torch.bfloat16) if n != "g" else inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+    o, ht, cs, _ = kda_fwd_triton(*args, None, h0)
+    gen = torch.Generator().manual_seed(92)
+    do = torch.randn(o.shape, generator=gen).to(DEVICE, torch.bfloat16)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_w_kernel", lambda kw: seen.append(kw["BF16_DQG"]))
+    results = []
+    for flag, states in ((0, cs.to(torch.bfloat16)), (1, cs.to(torch.bfloat16)), (1, cs.float())):
+        monkeypatch.setattr(settings, "INTRA_BWD_W_BF16_DQG", flag)
+        results.append(kda_bwd_triton(*args, None, h0, states, do, dht))
+    assert seen == [False, True, False], seen
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), results[0], results[1]):
+        assert a.float().abs().max() > 0.01, name
+        # the same products; fp32 sums in another order (bf16 grads: one rounding apart at most)
+        torch.testing.assert_close(b.float().cpu(), a.float().cpu(), rtol=1e-2 if b.dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-5, msg=lambda m: f"{name}: {m}")
