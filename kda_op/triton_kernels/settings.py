@@ -271,6 +271,13 @@ SCAN_STAGES = 2  # where BK <= 128; one stage above
 # allocation; without the sanitizer mode 0 passes it. Registers do not explain it (sm_90a,
 # Triton 3.6, bf16): at K = 128 modes 1 / 2 take 255 with 232 / 16 B of spills (mode 0: 249,
 # none), but at K = 32 mode 2 takes 158, none. Not understood.
+# Retested 2026-12-03 (twenty-first session, H200) after the intra_bwd_a row-block dots,
+# whose out-of-bounds reads had been suspected, were turned off: mode 1 still faults
+# (test_cuda.py's half-precision case at K = 128, an illegal memory access that took the
+# other 19 bf16 cases of that process with it; the fp32 cases passed), so the fault is the
+# prefetch's own. Timed the same day as a variant against fla (layer-style): state_bwd 0.495
+# -> 0.384 ms at B1-T8192-H16 (V block 16, one wave) but 0.724 -> 0.873 at
+# B2-T8192-H8-HV32 (V block 64), forward+backward 2.698 -> 2.588 / 8.436 -> 8.589 ms.
 SCAN_BWD_PREFETCH = 0
 # ... but SCAN_STAGES_WIDE_BF16 at BK = 256 with bf16 operands (bf16 inputs). On the
 # H200 (Triton 3.6) test_cuda.py's bf16 case at K = 256 gave o 7.3e-2 off the fp64
