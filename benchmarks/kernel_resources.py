@@ -205,8 +205,10 @@ def main(argv: list[str] | None = None) -> int:
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
            dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
            dict(common, **varlen, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
+                TM_DOUBLING=bool(S.TM_SOLVE_DOUBLING), SOLVE_PREC=S.TM_SOLVE_PREC,
                 BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
-           S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
+           S.INTRA_WU_DOUBLING_WARPS if S.TM_SOLVE_DOUBLING
+           else S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
         (state_fwd.kda_state_fwd_kernel,
          dict(**vl_seq, kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=cs, ht=f32, **ints, slots="*i64"),

@@ -1345,3 +1345,50 @@ def test_intra_bwd_w_takes_bf16_dots_where_do_and_the_states_are_bf16(monkeypatc
         # the same products; fp32 sums in another order (bf16 grads: one rounding apart at most)
         torch.testing.assert_close(b.float().cpu(), a.float().cpu(), rtol=1e-2 if b.dtype == torch.bfloat16 else 1e-5,
                                    atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("case", ["batch", "packed-short-tiles"])
+def test_tm_by_doubling_the_blocks_matches_the_substitution(case, monkeypatch):
+    """settings.TM_SOLVE_DOUBLING (Tm = (I + diag(beta) A_kk)^-1 by X_2s = X_s - X_s N_s X_s
+    from blocks of 2 rows to the tile, instead of the substitution on 16-row blocks and
+    their merge): the kept Tm, W, U and every output within fp32 rounding of the
+    substitution's, the outputs and grads within the reference's tolerance. Batch: K = 48,
+    V = 40, a partial last chunk, an initial state; packed: short sequences on their
+    32-row tiles (settings.SHORT_TILE), one row, a chunk and one more, a long one."""
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    if case == "batch":
+        inputs = _inputs(2, 2 * CHUNK_SIZE + 9, 1, 2, 48, 40, True, seed=95)
+        args, gate, cu, h0 = [inputs[n] for n in NAMES], None, None, inputs["initial_state"]
+        want = kda_forward_reference(*[x.cpu() for x in args], None, h0.cpu())
+        monkeypatch.setattr(settings, "TM_SOLVE_DOUBLING", 1)
+        _check_fwd_bwd(args, h0, True, seed=96)  # the backward's recompute by doubling too
+    else:
+        cpu, gate, cu, h0 = _row_block_problem("packed-training", [1, 5, 30, 64, 65, 200, 17, 3], seed=97, h0_seed=1)
+        want = _reference_fwd(*cpu, None, h0, gate, cu)
+        args = [x.to(DEVICE) for x in cpu]
+        gate = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+        cu = cu.to(DEVICE)
+    tiles = []
+    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel",
+               lambda kw: tiles.append((kw["TM_DOUBLING"], kw.get("TILE", 0) or kw.get("PICK_TILE", 0))))
+    results, views = [], []
+    for doubling in (0, 1):
+        monkeypatch.setattr(settings, "TM_SOLVE_DOUBLING", doubling)
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0, True, gate=gate, cu_seqlens=cu)
+        results.append((o, ht, cs))
+        views.append(_intermediates_views(kept, _layout(args[0], args[2], cu)[0]))
+    assert {d for d, _ in tiles} == {False, True}, tiles
+    if case != "batch":
+        assert any(d and tile for d, tile in tiles), tiles  # short chunks on their tiles, by doubling
+    for name in ("tm", "w", "u"):
+        a, b = views[0][name].float().cpu(), views[1][name].float().cpu()
+        assert b.abs().max() > 0.1, name
+        # fp32: another order of the same algebra (3xTF32 dots on the GPU)
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name, a, b in zip(("o", "ht", "chunk states"), *results):
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    for name, b, ref in zip(("o", "ht"), results[1], want):
+        _rel_close(b, ref, name)

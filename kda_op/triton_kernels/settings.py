@@ -39,6 +39,18 @@ INTRA_BWD_A_WARPS = 4
 # warps): intra_wu_fwd 0.229 -> 0.190 ms, forward 0.999 -> 0.958 ms, outputs
 # bitwise the same (bench_kernels.py, 2026-11-30).
 TM_ROW_LOADS = 1
+# intra_wu_fwd's Tm = (I + diag(beta) A_kk)^-1 by doubling the diagonal blocks (1):
+# X_2s = X_s - X_s N_s X_s from blocks of 2 rows to the chunk, five levels of two
+# [BT, BT] dots at TM_SOLVE_PREC, no serial chain; 0: the forward substitution on the
+# 16-row blocks (15 serial steps, each on rows loaded again) and their merge. Built
+# 2026-12-03 after a Tm-only launch showed the substitution sets intra_wu_fwd's time
+# (benchmarks/NOTES.md); not yet timed. 3xTF32 keeps the levels at about fp32 accuracy
+# whatever the inputs' dtype.
+TM_SOLVE_DOUBLING = 0
+TM_SOLVE_PREC = "tf32x3"
+# ... and its warps, at every dtype: sm_90a (bf16, K = 128, Triton 3.6) at two warps it
+# spills 6.9 KB, at four 236 B (255 registers, 96 KB shared), at eight 328 B.
+INTRA_WU_DOUBLING_WARPS = 4
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
