@@ -1247,6 +1247,21 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
             _rel_close(b, ref, name)
 
 
+def _variant_matches(views, results, want, kept_names, rtol, atol):
+    """A forward under a setting against the same forward without it: the kept
+    intermediates ``kept_names`` (``views``: baseline, variant; not all small) and o, the
+    final state and the chunk states (``results``) within ``rtol`` / ``atol``, and the
+    variant's o and final state within the reference's tolerance of ``want``."""
+    for name in kept_names:
+        a, b = views[0][name].float().cpu(), views[1][name].float().cpu()
+        assert b.abs().max() > 0.1, name
+        torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    for name, a, b in zip(("o", "ht", "chunk states"), *results):
+        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    for name, b, ref in zip(("o", "ht"), results[1], want):
+        _rel_close(b, ref, name)
+
+
 @pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training"])
 def test_forward_a_by_row_blocks_matches_the_dots_over_every_row(case, monkeypatch):
     """settings.INTRA_A_ROW_PROGRAMS (fla's bounded gate at lower_bound -5, where every
@@ -1284,15 +1299,8 @@ def test_forward_a_by_row_blocks_matches_the_dots_over_every_row(case, monkeypat
     flags = views[1]["steep"].flatten().tolist()
     assert flags.count(1) >= 8 and 2 not in flags, flags  # the block references' chunks, no steep launch's
     assert torch.equal(views[0]["steep"], views[1]["steep"])
-    for name in ("akk", "aqk", "qg", "kr"):
-        a, b = views[0][name].float().cpu(), views[1][name].float().cpu()
-        assert b.abs().max() > 0.1, name
-        # fp32: another order of summation, another reference where a chunk splits
-        torch.testing.assert_close(b, a, rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
-    for name, a, b in zip(("o", "ht", "chunk states"), *results):
-        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
-    for name, b, ref in zip(("o", "ht"), results[1], want):
-        _rel_close(b, ref, name)
+    # fp32: another order of summation, another reference where a chunk splits
+    _variant_matches(views, results, want, ("akk", "aqk", "qg", "kr"), rtol=2e-4, atol=2e-5)
 
 
 def test_row_block_backward_only_where_the_gate_bounds_every_block():
@@ -1383,12 +1391,5 @@ def test_tm_by_doubling_the_blocks_matches_the_substitution(case, monkeypatch):
     assert {d for d, _ in tiles} == {False, True}, tiles
     if case != "batch":
         assert any(d and tile for d, tile in tiles), tiles  # short chunks on their tiles, by doubling
-    for name in ("tm", "w", "u"):
-        a, b = views[0][name].float().cpu(), views[1][name].float().cpu()
-        assert b.abs().max() > 0.1, name
-        # fp32: another order of the same algebra (3xTF32 dots on the GPU)
-        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    for name, a, b in zip(("o", "ht", "chunk states"), *results):
-        torch.testing.assert_close(b.cpu(), a.cpu(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
-    for name, b, ref in zip(("o", "ht"), results[1], want):
-        _rel_close(b, ref, name)
+    # fp32: another order of the same algebra (3xTF32 dots on the GPU)
+    _variant_matches(views, results, want, ("tm", "w", "u"), rtol=1e-5, atol=1e-6)
