@@ -1393,3 +1393,114 @@ def test_tm_by_doubling_the_blocks_matches_the_substitution(case, monkeypatch):
         assert any(d and tile for d, tile in tiles), tiles  # short chunks on their tiles, by doubling
     # fp32: another order of the same algebra (3xTF32 dots on the GPU)
     _variant_matches(views, results, want, ("tm", "w", "u"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training", "packed-training-compact",
+                                  "recompute"])
+def test_fused_backward_scan_matches_the_scan_beside_the_prep_kernel(case, monkeypatch):
+    """settings.SCAN_BWD_FUSED (the backward scan forms A_qk^T dO and Qg^T dO in its own
+    loop; the prep kernel runs only for U' where the forward kept none): every grad
+    within fp32 rounding of the scan that reads them from the prep kernel, and of the
+    fp64 reference; under the interpreter no access leaves its tensor. Cases: equal-length
+    sequences with an initial state and dht (a partial last chunk); packed sequences
+    (empty ones, one row, a chunk and one more, a long one) with initial states and dht,
+    and without (the last chunk peeled off the loop), with a dS_C slot per chunk and
+    compact; the backward recomputing the intra-chunk quantities (U' from the prep kernel)."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import bwd, settings
+
+    if case in ("batch", "recompute"):
+        inputs = _inputs(2, 2 * CHUNK_SIZE + 7, 1, 2, 32, 24, True, seed=101)
+        cpu = [inputs[n].cpu() for n in NAMES]
+        h0, cu, gate = inputs["initial_state"].cpu(), None, None
+        want_fwd = _reference_fwd(*cpu, None, h0)
+    else:
+        lengths = [0, 1, 64, 65, 3, 200, 0, 130]
+        cu, cpu, gate, _ = _packed_problem(lengths, 103, gated=True, decay=1.0)
+        h0 = None
+        if case == "packed-with-states":
+            h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(5))
+        want_fwd = _reference_fwd(*cpu, None, h0, gate, cu)
+    with_dht = case in ("batch", "recompute", "packed-with-states")
+    gen = torch.Generator().manual_seed(107)
+    do = torch.randn(want_fwd[0].shape, generator=gen)
+    dht = torch.randn(want_fwd[1].shape, generator=gen) if with_dht else None
+    want = _reference_bwd(*cpu, None, h0, want_fwd[2], do, dht, gate, cu)
+    args = [x.to(DEVICE) for x in cpu]
+    gate_d = None if gate is None else tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d, do_d, dht_d = (None if x is None else x.to(DEVICE) for x in (cu, h0, do, dht))
+    monkeypatch.setattr(settings, "COMPACT_DSTATES", int(case == "packed-training-compact"))
+    launched = []
+    _on_launch(monkeypatch, bwd, "kda_state_bwd_prep_kernel", lambda kw: launched.append(("prep", kw["DO_TERMS"])))
+    _on_launch(monkeypatch, bwd, "kda_state_bwd_kernel", lambda kw: launched.append("scan"))
+    _on_launch(monkeypatch, bwd, "kda_state_bwd_fused_kernel", lambda kw: launched.append("fused scan"))
+    results = []
+    for fused in (0, 1):
+        monkeypatch.setattr(settings, "SCAN_BWD_FUSED", fused)
+        _, _, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
+                                        output_final_state=with_dht)
+        checker = None
+        if fused and DEVICE == "cpu":
+            checker = _bounds_checker(monkeypatch, args + [do_d, dht_d, h0_d, cu_d, cs, kept]
+                                      + [x for x in (gate_d or ()) if isinstance(x, torch.Tensor)])
+        results.append(kda_bwd_triton(*args, None, h0_d, cs, do_d, dht_d, None if case == "recompute" else kept,
+                                      gate=gate_d, cu_seqlens=cu_d))
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+    if case == "recompute":  # U' from the prep kernel, without the terms the fused scan forms
+        assert launched == [("prep", True), "scan", ("prep", False), "fused scan"], launched
+    else:
+        assert launched == [("prep", True), "scan", "fused scan"], launched
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    for name, a, b, ref in zip(names, *results, want):
+        if ref.numel():
+            assert ref.abs().max() > 0.01, name
+            # fp32: the same products, summed in another order (A_qk^T dO and Kr dS_C in one sum)
+            torch.testing.assert_close(b.cpu(), a.cpu(), rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
+            if name in ("dA_log", "ddt_bias"):
+                # sums over every token of a head: fp32 rounding relative to the vector's
+                # largest entry (a small entry is a difference of large terms)
+                torch.testing.assert_close(b.cpu(), ref, rtol=0, atol=2e-4 * ref.abs().max().item(),
+                                           msg=lambda m: f"{name}: {m}")
+            else:
+                _rel_close(b, ref, name)
+
+
+def test_fused_backward_scan_takes_bf16_dots_for_bf16_inputs(monkeypatch):
+    """settings.SCAN_BWD_FUSED with SCAN_BWD_BF16_DOTS: bf16 inputs (Qg, Kr, W, A_qk and
+    dO all bf16) put dS_C and dU' into the scan's dots rounded to bf16 (the GPU's
+    rounding under the interpreter, _dot.py), as fla's dh kernel does: every grad within
+    bf16's tolerance of the fp64 reference on the same rounded inputs, as with TF32 dots;
+    fp32 inputs keep TF32 dots."""
+    from kda_op.triton_kernels import bwd, settings
+
+    names = ("q", "k", "v", "g", "beta")
+    inputs = make_inputs(B=1, T=2 * CHUNK_SIZE + 21, H=1, G=2, K=32, V=32, dtype=torch.float64, seed=109)
+    xbf = [inputs[n].float() if n == "g" else inputs[n].to(torch.bfloat16) for n in names]
+    h0 = inputs["initial_state"]
+    gen = torch.Generator().manual_seed(111)
+    do = torch.randn(1, 2 * CHUNK_SIZE + 21, 2, 32, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    dht = torch.randn(1, 2, 32, 32, generator=gen)
+    ref_in = [x.double() for x in xbf]  # the reference sees the same rounded inputs, in fp64
+    _, _, cs_ref = kda_forward_reference(*ref_in, None, h0)
+    grads_ref = kda_backward_reference(*ref_in, None, h0, cs_ref, do.double(), dht.double())
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_state_bwd_fused_kernel", lambda kw: seen.append(kw["BF16_DOTS"]))
+    monkeypatch.setattr(settings, "SCAN_BWD_FUSED", 1)
+    args = [x.to(DEVICE) for x in xbf] + [None, h0.float().to(DEVICE)]
+    errors = {}
+    for bf16_dots in (0, 1):
+        monkeypatch.setattr(settings, "SCAN_BWD_BF16_DOTS", bf16_dots)
+        o, ht, cs, kept = kda_fwd_triton(*args, keep_intermediates=True)
+        grads = kda_bwd_triton(*args, cs, do.to(DEVICE), dht.to(DEVICE), intermediates=kept)
+        for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
+            errors[name, bf16_dots] = ((got.cpu().double() - want).norm() / want.norm()).item()
+    # bf16 rounding (2^-8) of the grads and of W, Qg, Kr, A_qk; dS_C and dU' rounded to
+    # bf16 in three of the scan's dots (test_triton_bf16_options bounds the others at 1e-2)
+    assert max(errors.values()) < 1e-2, errors
+    assert seen == [False, True], seen
+    fp32 = _inputs(1, CHUNK_SIZE + 5, 1, 2, 32, 16, True, seed=113)
+    fargs = [fp32[n] for n in NAMES]
+    o, ht, cs, kept = kda_fwd_triton(*fargs, None, fp32["initial_state"], True)
+    kda_bwd_triton(*fargs, None, fp32["initial_state"], cs, torch.randn_like(o), None, kept)
+    assert seen[-1] is False

@@ -277,6 +277,10 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
         BV=min(64 if BK <= 128 else 32, max(32, _pow2(V))),
         BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
         BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_FWD or 0, bv_scan_min), S.SCAN_FWD_PER_SM),
+        # the fused backward scan (settings.SCAN_BWD_FUSED): its V block and stages
+        BV_SCAN_BWD=_scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_BWD_MIN, bv_scan_min), S.SCAN_BWD_PER_SM),
+        SCAN_BWD_STAGES=S.SCAN_BWD_STAGES if bf16_operands and BK <= 128 else 1,
+        SCAN_BWD_BF16_DOTS=bf16_operands and bool(S.SCAN_BWD_BF16_DOTS),
         SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else wide_stages,
         # three stages of fp32 W and Kr (fp32 and fp16 inputs) need 240 KB of shared
         # memory at BK = 128, BV = 32: more than the H200's 227

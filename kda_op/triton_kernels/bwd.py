@@ -25,7 +25,7 @@ from .intra_bwd_a_rows import kda_dg_of_chunk_kernel, kda_intra_bwd_a_rows_kerne
 from .intra_bwd_w import kda_intra_bwd_w_kernel
 from .prep import kda_prep_bwd_kernel
 from .settings import BC, BT, MAX_SPLIT
-from .state_bwd import kda_state_bwd_kernel, kda_state_bwd_prep_kernel
+from .state_bwd import kda_state_bwd_fused_kernel, kda_state_bwd_kernel, kda_state_bwd_prep_kernel
 
 
 def _row_programs_serve(ga: dict) -> bool:
@@ -99,23 +99,39 @@ def kda_bwd_triton(
     dht_arg = dht.contiguous() if dht is not None else dup  # a stand-in, never read without HAS_DHT
     dh0_arg = dh0 if initial_state is not None else dup  # likewise without HAS_DH0
     with _range("kda_op::bwd::state_scan"):
-        kda_state_bwd_prep_kernel[(_cdiv(V, s["BV"]), NC, B * HV)](
-            x["qg"], x["w"], x["u"], aqk, chunk_states, do,
-            up, dup, dchunk_states,
-            *s["VL_CHUNK"], ds_offsets, T, NC,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
-            HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-            HAS_DH0=initial_state is not None, COMPACT=compact, num_warps=8,
-        )
-        kda_state_bwd_kernel[(_cdiv(V, s["BV_SCAN"]), s["NSEQ"] * HV)](
-            x["kr"], x["w"], gam, dht_arg,
-            dup, dchunk_states, dh0_arg,
-            *s["VL_SEQ"], ds_offsets, T, NC,
-            H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
-            HAS_DHT=dht is not None, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None,
-            INTERPRET=_INTERPRET, COMPACT=compact, PREFETCH=int(S.SCAN_BWD_PREFETCH),
-            num_warps=S.SCAN_WARPS, num_stages=s["SCAN_STAGES"],
-        )
+        # the fused scan forms A_qk^T dO and Qg^T dO itself: the prep kernel only for
+        # U', where the forward did not keep it
+        fused = bool(S.SCAN_BWD_FUSED)
+        if not (fused and "up" in x):
+            kda_state_bwd_prep_kernel[(_cdiv(V, s["BV"]), NC, B * HV)](
+                x["qg"], x["w"], x["u"], aqk, chunk_states, do,
+                up, dup, dchunk_states,
+                *s["VL_CHUNK"], ds_offsets, T, NC,
+                H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV"],
+                HAS_UP="up" in x, DOT_PREC=prec, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
+                HAS_DH0=initial_state is not None, COMPACT=compact, DO_TERMS=not fused, num_warps=8,
+            )
+        if fused:
+            kda_state_bwd_fused_kernel[(_cdiv(V, s["BV_SCAN_BWD"]), s["NSEQ"] * HV)](
+                x["qg"], x["kr"], x["w"], aqk, gam, do, dht_arg,
+                dup, dchunk_states, dh0_arg,
+                *s["VL_SEQ"], ds_offsets, T, NC,
+                H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_BWD"],
+                HAS_DHT=dht is not None, DOT_PREC=prec,
+                BF16_DOTS=s["SCAN_BWD_BF16_DOTS"] and do.dtype == torch.bfloat16 and aqk.dtype == torch.bfloat16,
+                IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None, INTERPRET=_INTERPRET,
+                COMPACT=compact, num_warps=S.SCAN_BWD_WARPS or S.SCAN_WARPS, num_stages=s["SCAN_BWD_STAGES"],
+            )
+        else:
+            kda_state_bwd_kernel[(_cdiv(V, s["BV_SCAN"]), s["NSEQ"] * HV)](
+                x["kr"], x["w"], gam, dht_arg,
+                dup, dchunk_states, dh0_arg,
+                *s["VL_SEQ"], ds_offsets, T, NC,
+                H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
+                HAS_DHT=dht is not None, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None,
+                INTERPRET=_INTERPRET, COMPACT=compact, PREFETCH=int(S.SCAN_BWD_PREFETCH),
+                num_warps=S.SCAN_WARPS, num_stages=s["SCAN_STAGES"],
+            )
 
     # Each buffer is allocated just before the stage that writes it first and
     # dropped after the last stage that reads it, so that the peak holds only what

@@ -291,6 +291,22 @@ SCAN_STAGES = 2  # where BK <= 128; one stage above
 # -> 0.384 ms at B1-T8192-H16 (V block 16, one wave) but 0.724 -> 0.873 at
 # B2-T8192-H8-HV32 (V block 64), forward+backward 2.698 -> 2.588 / 8.436 -> 8.589 ms.
 SCAN_BWD_PREFETCH = 0
+# The backward scan with its parallel part inside (state_bwd.py's fused kernel), as
+# fla's dh kernel: each chunk forms A_qk^T dO and Qg^T dO itself instead of reading them
+# from the prep kernel (whose Qg^T dO shared dS_C's slot, so each chunk passed a barrier
+# between reading and overwriting it, and Triton's pipeliner took none of the loop's
+# loads); the prep kernel then runs only where the forward kept no U'. Its dots on bf16
+# operands where Qg, Kr, W, A_qk and dO are bf16 (SCAN_BWD_BF16_DOTS: dS_C and dU' rounded
+# to bf16 on entering them, as fla; dS carried in fp32). Its V block: at least
+# BV_SCAN_BWD_MIN (a V block of 16 is the one the scans' faults were seen at), doubled to
+# one wave of SCAN_BWD_PER_SM programs an SM; SCAN_BWD_STAGES where the operands are
+# bf16 and BK <= 128 (one stage otherwise: shared memory). Built 2026-12-03, untimed.
+SCAN_BWD_FUSED = 0
+SCAN_BWD_BF16_DOTS = 1
+BV_SCAN_BWD_MIN = 32
+SCAN_BWD_PER_SM = 1
+SCAN_BWD_STAGES = 2
+SCAN_BWD_WARPS = None  # None: SCAN_WARPS
 # ... but SCAN_STAGES_WIDE_BF16 at BK = 256 with bf16 operands (bf16 inputs). On the
 # H200 (Triton 3.6) test_cuda.py's bf16 case at K = 256 gave o 7.3e-2 off the fp64
 # reference in every run at one stage (a call of the thirteenth session and twice in

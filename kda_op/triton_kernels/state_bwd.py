@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import as_stored
+from ._dot import as_stored, dot
 from ._indexing import chunk_coords, chunk_in_sequence, sequence_coords
 
 
@@ -35,8 +35,11 @@ def kda_state_bwd_prep_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_UP: tl.constexpr, DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True, COMPACT: tl.constexpr = False,
+    DO_TERMS: tl.constexpr = True,
 ):
-    """HAS_UP: U' is already there (the forward kept it); skip S0, W and U. HAS_DH0:
+    """DO_TERMS = False (the fused scan, settings.SCAN_BWD_FUSED, forms A_qk^T dO and
+    Qg^T dO itself): U' only, launched only where the forward did not keep it.
+    HAS_UP: U' is already there (the forward kept it); skip S0, W and U. HAS_DH0:
     the initial state's grad is wanted (else no Qg^T dO for first chunks). COMPACT
     (packed sequences without dh0 and dht; settings.COMPACT_DSTATES): a sequence's
     chunk c > 0 puts its Qg^T dO in the slot of chunk c - 1's dS_C, which the scan
@@ -89,6 +92,8 @@ def kda_state_bwd_prep_kernel(
         b_u = tl.load(u + row_v, mask=m_tv, other=0.0).to(tl.float32)
         tl.store(up + row_v, as_stored(b_u - tl.dot(b_w, b_s0, input_precision=DOT_PREC), up, INTERPRET), mask=m_tv)
 
+    if not DO_TERMS:
+        return
     b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
     b_a = tl.load(aqk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] >= o_r[None, :]), other=0.0).to(tl.float32)
@@ -277,6 +282,111 @@ def kda_state_bwd_kernel(
             b_dup = tl.load(p_dup, mask=m_tv, other=0.0) + tl.dot(b_kr.to(tl.float32), b_ds, input_precision=DOT_PREC)
             tl.store(p_dup, b_dup, mask=m_tv)
             b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
+
+    if HAS_DH0:
+        tl.store(dh0 + state_off, b_ds, mask=m_kv)
+
+
+@triton.jit
+def kda_state_bwd_fused_kernel(
+    qg, kr, w, aqk, gam, do, dht,
+    dup, dchunk_states, dh0,
+    cu_seqlens, seq_offsets,  # varlen (IS_VARLEN): _indexing.py
+    ds_offsets,  # COMPACT: each sequence's first dS_C slot (a stand-in otherwise)
+    T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr, BF16_DOTS: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True, INTERPRET: tl.constexpr = False,
+    COMPACT: tl.constexpr = False,
+):
+    """The reverse scan with its parallel part inside (settings.SCAN_BWD_FUSED): per
+    chunk, from the last, dS_C is stored, then
+      dU' = A_qk^T dO + Kr dS_C          (stored: intra_bwd_w.py and intra_bwd.py read it)
+      dS0 = exp(Gam) dS_C + Qg^T dO - W^T dU'.
+    Each chunk reads only the inputs of its own dots and writes what it forms, nothing
+    it read (no slot shared with the prep kernel, so no barrier), in the order of
+    the forward scan's loop, which Triton's pipeliner prefetches. BF16_DOTS (bf16 Qg,
+    Kr, W, A_qk and dO): dS_C and dU' enter their dots rounded to bf16, as fla's dh
+    kernel does; dS is carried in fp32. COMPACT: as kda_state_bwd_kernel (dS_C of a
+    sequence's chunk c in its slot c; the last chunk's, zero, not stored)."""
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_hv, i_h, bos, T, NC, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, seq_offsets, BT,
+                                                         IS_VARLEN)
+    # Each pointer moves to this sequence and head once, in 64-bit, and to each
+    # chunk in 64-bit in the loop; offsets inside a chunk are 32-bit at any T.
+    qg += (bos * HV + i_hv) * K
+    kr += (bos * HV + i_hv) * K
+    w += (bos * HV + i_hv) * K
+    gam += (bos * HV + i_hv) * K
+    aqk += (bos * HV + i_hv) * BT
+    do += (bos * HV + i_hv) * V
+    dup += (bos * HV + i_hv) * V
+    dht += (i_b * HV + i_hv) * K * V
+    dh0 += (i_b * HV + i_hv) * K * V
+    if COMPACT:
+        dchunk_states += (tl.load(ds_offsets + i_b) * HV + i_hv) * K * V
+    else:
+        dchunk_states += (g_0 * HV + i_hv) * K * V
+    cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk to the next
+
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
+    o_r = tl.arange(0, BT)
+    row_k = (o_r[:, None]) * (HV * K) + o_k[None, :]
+    row_v = (o_r[:, None]) * (HV * V) + o_v[None, :]
+    row_a = (o_r[:, None]) * (HV * BT) + o_r[None, :]
+    causal = o_r[:, None] >= o_r[None, :]  # A_qk's lower triangle, its diagonal included
+
+    if HAS_DHT:
+        b_ds = tl.load(dht + state_off, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_ds = tl.zeros([BK, BV], dtype=tl.float32)
+
+    # Packed sequences without a grad of their final states (training): the last chunk's
+    # dS_C is 0, so its dU' is A_qk^T dO alone and its dS_C is not stored (intra_bwd_w.py
+    # does not read it without dht); dS entering it is formed only where an earlier chunk
+    # or dh0 reads it (as kda_state_bwd_kernel).
+    PEEL: tl.constexpr = IS_VARLEN and not HAS_DHT
+    if PEEL:
+        if NC > 0:
+            i_c = NC - 1
+            r0 = tl.cast(i_c * BT, tl.int64)
+            m_t = i_c * BT + o_r < T
+            b_do = tl.load(do + r0 * (HV * V) + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
+            b_a = tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None] & causal, other=0.0)
+            b_dup = dot(tl.trans(b_a), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
+            tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_t[:, None] & m_v[None, :])
+            if (NC > 1) | HAS_DH0:
+                b_qg = tl.load(qg + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+                b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+                b_ds = (dot(tl.trans(b_qg), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
+                        - dot(tl.trans(b_w), b_dup, BF16_DOTS, DOT_PREC, INTERPRET))
+    for i_rev in range(1 if PEEL else 0, NC):
+        i_c = NC - 1 - i_rev
+        r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
+        m_t = i_c * BT + o_r < T
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        tl.store(dchunk_states + i_c * cs_stride + state_off, as_stored(b_ds, dchunk_states, INTERPRET), mask=m_kv)
+        b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
+        b_do = tl.load(do + r0 * (HV * V) + row_v, mask=m_tv, other=0.0)
+        b_a = tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None] & causal, other=0.0)
+        b_dup = (dot(tl.trans(b_a), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
+                 + dot(b_kr, b_ds, BF16_DOTS, DOT_PREC, INTERPRET))
+        tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_tv)
+        b_qg = tl.load(qg + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
+        b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
+        # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
+        b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        b_ds = (b_ds * tl.exp(b_glast)[:, None] + dot(tl.trans(b_qg), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
+                - dot(tl.trans(b_w), b_dup, BF16_DOTS, DOT_PREC, INTERPRET))
 
     if HAS_DH0:
         tl.store(dh0 + state_off, b_ds, mask=m_kv)
