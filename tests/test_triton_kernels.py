@@ -1504,3 +1504,46 @@ def test_fused_backward_scan_takes_bf16_dots_for_bf16_inputs(monkeypatch):
     o, ht, cs, kept = kda_fwd_triton(*fargs, None, fp32["initial_state"], True)
     kda_bwd_triton(*fargs, None, fp32["initial_state"], cs, torch.randn_like(o), None, kept)
     assert seen[-1] is False
+
+
+def test_intra_bwd_w_takes_bf16_dots_for_u_prime_and_du_prime(monkeypatch):
+    """settings.INTRA_BWD_W_BF16_DKR (U' dS_C^T on bf16 operands where both are stored in
+    bf16: the same products as at TF32, so every grad as with it off to fp32 summation
+    order) and INTRA_BWD_W_BF16_DW (dU' S0^T with dU' rounded to bf16, as fla's dv: every
+    grad within bf16's tolerance of the fp64 reference on the same rounded inputs)."""
+    from kda_op.triton_kernels import bwd, settings
+
+    names = ("q", "k", "v", "g", "beta")
+    inputs = make_inputs(B=1, T=2 * CHUNK_SIZE + 13, H=1, G=2, K=32, V=32, dtype=torch.float64, seed=121)
+    xbf = [inputs[n].float() if n == "g" else inputs[n].to(torch.bfloat16) for n in names]
+    h0 = inputs["initial_state"]
+    gen = torch.Generator().manual_seed(123)
+    do = torch.randn(1, 2 * CHUNK_SIZE + 13, 2, 32, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    dht = torch.randn(1, 2, 32, 32, generator=gen)
+    ref_in = [x.double() for x in xbf]  # the reference sees the same rounded inputs, in fp64
+    _, _, cs_ref = kda_forward_reference(*ref_in, None, h0)
+    grads_ref = kda_backward_reference(*ref_in, None, h0, cs_ref, do.double(), dht.double())
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_w_kernel", lambda kw: seen.append((kw["BF16_DKR"], kw["BF16_DW"])))
+    args = [x.to(DEVICE) for x in xbf] + [None, h0.float().to(DEVICE)]
+    o, ht, cs, kept = kda_fwd_triton(*args, keep_intermediates=True)
+    results = []
+    for dkr, dw in ((0, 0), (1, 0), (0, 1)):
+        monkeypatch.setattr(settings, "INTRA_BWD_W_BF16_DKR", dkr)
+        monkeypatch.setattr(settings, "INTRA_BWD_W_BF16_DW", dw)
+        results.append(kda_bwd_triton(*args, cs, do.to(DEVICE), dht.to(DEVICE), intermediates=kept))
+    assert seen == [(False, False), (True, False), (False, True)], seen
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for name, a, b, c, want in zip(names, *results, grads_ref):
+        assert a.float().abs().max() > 0.01, name
+        # the same products; fp32 sums in another order (bf16 grads: one rounding apart at most)
+        torch.testing.assert_close(b.float().cpu(), a.float().cpu(), rtol=1e-2 if b.dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-5, msg=lambda m: f"{name}: {m}")
+        # bf16 rounding of the grads, of W, Qg, Kr, and of dU' in one dot (test_triton_bf16_options: 1e-2)
+        err = ((c.cpu().double() - want).norm() / want.norm()).item()
+        assert err < 1e-2, (name, err)
+        # dU' rounded to bf16 (2^-9 relative an entry) moves the grads it reaches by
+        # about 3e-4 of their norm (seen: dk 1.3e-4, dg 1.0e-4, dbeta 3.0e-4); a 3%
+        # error in that dot moves them by 8e-4 to 2.4e-3
+        change = ((c.cpu().double() - a.cpu().double()).norm() / a.cpu().double().norm()).item()
+        assert change < 6e-4, (name, change)

@@ -122,6 +122,12 @@ BKS_W = 64
 # B1-T8192-H16 (measured on a reordering of the kernel's tail, since dropped, which had
 # taken it 2.086 -> 2.205). Its V block at 32 instead of 64 took it to 2.903 / 0.735.
 INTRA_BWD_W_BF16_DQG = 1
+# ... and its U' dS_C^T on bf16 operands where U' and dS_C are both stored in bf16
+# (BF16_RESIDUALS, BF16_DSTATES): the same products again (built 2026-12-03, untimed).
+# INTRA_BWD_W_BF16_DW: its dU' S0^T with dU' (fp32) rounded to bf16 on entering the dot,
+# as fla's dv; needs bf16 chunk states (built 2026-12-03, untimed).
+INTRA_BWD_W_BF16_DKR = 0
+INTRA_BWD_W_BF16_DW = 0
 # dS_C, the grad of each chunk's leaving state (the backward's [NC, HV, K, V]
 # buffer, also the prep kernel's Qg^T dO of the chunk), in bf16 for bf16 inputs
 # instead of fp32, as fla keeps its dh in the input dtype: half its bytes (0.5
