@@ -1547,3 +1547,33 @@ def test_intra_bwd_w_takes_bf16_dots_for_u_prime_and_du_prime(monkeypatch):
         # error in that dot moves them by 8e-4 to 2.4e-3
         change = ((c.cpu().double() - a.cpu().double()).norm() / a.cpu().double().norm()).item()
         assert change < 6e-4, (name, change)
+
+
+def test_intra_bwd_takes_a_bf16_dot_for_do_and_u_prime(monkeypatch):
+    """settings.INTRA_BWD_BF16_DAQK: with dO and U' both bf16 (bf16 inputs, U' kept in
+    bf16) intra_bwd's dO U'^T runs on bf16 operands, the same products as at TF32:
+    every grad as with it off, to fp32 summation order; fp32 inputs keep TF32."""
+    from kda_op.triton_kernels import bwd, settings
+
+    inputs = _inputs(1, 2 * CHUNK_SIZE + 17, 1, 2, 32, 48, True, seed=131)
+    args = [inputs[n].to(torch.bfloat16) if n != "g" else inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+    o, ht, cs, kept = kda_fwd_triton(*args, None, h0, True)
+    gen = torch.Generator().manual_seed(132)
+    do = torch.randn(o.shape, generator=gen).to(DEVICE, torch.bfloat16)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_kernel", lambda kw: seen.append(kw["BF16_DAQK"]))
+    results = []
+    for flag in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_BWD_BF16_DAQK", flag)
+        results.append(kda_bwd_triton(*args, None, h0, cs, do, dht, kept))
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), *results):
+        assert a.float().abs().max() > 0.01, name
+        # the same products; fp32 sums in another order (bf16 grads: one rounding apart at most)
+        torch.testing.assert_close(b.float().cpu(), a.float().cpu(), rtol=1e-2 if b.dtype == torch.bfloat16 else 1e-5,
+                                   atol=1e-5, msg=lambda m: f"{name}: {m}")
+    fp32 = [inputs[n] for n in NAMES]
+    o, ht, cs, kept = kda_fwd_triton(*fp32, None, h0, True)
+    kda_bwd_triton(*fp32, None, h0, cs, torch.randn_like(o), None, kept)
+    assert seen == [False, True, False], seen

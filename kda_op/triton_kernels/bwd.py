@@ -171,6 +171,8 @@ def kda_bwd_triton(
             *s["VL_CHUNK"], T, NC,
             H=H, HV=HV, V=V, BT=BT, BV=s["BV"], NS=NS,
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_WARPS,
+            BF16_DAQK=bool(S.INTRA_BWD_BF16_DAQK) and do.dtype == torch.bfloat16 and up.dtype == torch.bfloat16,
+            INTERPRET=_INTERPRET,
         )
     del dup, up, dtm_part, dbeta_part
     dg = torch.empty_like(g)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ._dot import dot_bf16
 from ._indexing import chunk_coords
 
 
@@ -24,8 +25,11 @@ def kda_intra_bwd_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     DOT_PREC: tl.constexpr,
-    IS_VARLEN: tl.constexpr = False,
+    IS_VARLEN: tl.constexpr = False, BF16_DAQK: tl.constexpr = False, INTERPRET: tl.constexpr = False,
 ):
+    # BF16_DAQK (settings.INTRA_BWD_BF16_DAQK; dO and U' both stored in bf16): dO U'^T on
+    # bf16 operands, the same products as at TF32, accumulated in fp32; dO and U' stay
+    # bf16 in registers.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
@@ -64,11 +68,14 @@ def kda_intra_bwd_kernel(
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
-        b_do = tl.load(do + row_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_up = tl.load(up + row_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_do = tl.load(do + row_v, mask=m_tv, other=0.0)
+        b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
         b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
         b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)
-        b_daqk += tl.dot(b_do, tl.trans(b_up), input_precision=DOT_PREC)
+        if BF16_DAQK:
+            b_daqk += dot_bf16(b_do, tl.trans(b_up), INTERPRET)
+        else:
+            b_daqk += tl.dot(b_do.to(tl.float32), tl.trans(b_up.to(tl.float32)), input_precision=DOT_PREC)
         b_tdu = tl.dot(tl.trans(b_tm), b_dup, input_precision=DOT_PREC)
         tl.store(dv + row_v, (b_beta[:, None] * b_tdu).to(dv.dtype.element_ty), mask=m_tv)
         b_dbeta += tl.sum(b_v * b_tdu, 1)

@@ -128,6 +128,10 @@ INTRA_BWD_W_BF16_DQG = 1
 # as fla's dv; needs bf16 chunk states (built 2026-12-03, untimed).
 INTRA_BWD_W_BF16_DKR = 0
 INTRA_BWD_W_BF16_DW = 0
+# intra_bwd's dO U'^T on bf16 operands where dO and U' are both bf16: the same products
+# as at TF32, fewer registers (1.2 KB of spills at four warps, bf16, K = V = 128). Built
+# 2026-12-03, untimed.
+INTRA_BWD_BF16_DAQK = 0
 # dS_C, the grad of each chunk's leaving state (the backward's [NC, HV, K, V]
 # buffer, also the prep kernel's Qg^T dO of the chunk), in bf16 for bf16 inputs
 # instead of fp32, as fla keeps its dh in the input dtype: half its bytes (0.5
