@@ -205,10 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
            dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
            dict(common, **varlen, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
-                TM_DOUBLING=bool(S.TM_SOLVE_DOUBLING), SOLVE_PREC=S.TM_SOLVE_PREC,
                 BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
-           S.INTRA_WU_DOUBLING_WARPS if S.TM_SOLVE_DOUBLING
-           else S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
+           S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
         (state_fwd.kda_state_fwd_kernel,
          dict(**vl_seq, kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=cs, ht=f32, **ints, slots="*i64"),
@@ -241,8 +239,7 @@ def main(argv: list[str] | None = None) -> int:
               **ints),
          dict(common, **varlen, BKS=S.BKS_W, BV=s["BV"], DOT_PREC=prec,
               BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and args.dtype == "bf16" and cs == "*bf16",
-              BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and res == "*bf16" and dsc == "*bf16",
-              BF16_DW=bool(S.INTRA_BWD_W_BF16_DW) and cs == "*bf16"), S.INTRA_BWD_W_WARPS, 1),
+              BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and res == "*bf16" and dsc == "*bf16"), S.INTRA_BWD_W_WARPS, 1),
         (intra_bwd.kda_intra_bwd_kernel,
          dict(**vl_chunk, v=x, beta=x, akk=f32, tm=f32, up=res, dup=f32, do=x, dtm_part=f32, dbeta_part=f32,
               dv=x, dbeta=x, dakk=f32, daqk=f32, **ints),

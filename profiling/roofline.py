@@ -112,6 +112,13 @@ def kernel_costs(s: Shape) -> dict:
         # skip their last chunks; dense batches run them on zeros)
         "kda_state_bwd_kernel": (2 * tok * K * bf + 2 * tok * V * f4 + 2 * with_dsc * state * bf + h0,
                                  with_dsc * 2 * 2 * BT * K * V, "tf32"),
+        # the scan with A_qk^T dO and Qg^T dO inside (settings.SCAN_BWD_FUSED): reads Qg, Kr,
+        # W, A_qk and dO, writes dU' and dS_C; every chunk's four dots but Kr dS_C where
+        # dS_C is zero (an upper bound: a one-chunk sequence without h0 skips two more)
+        "kda_state_bwd_fused_kernel": (3 * tok * K * bf + tok * BT * bf + tok * V * bf + tok * V * f4
+                                       + with_dsc * state * bf + h0,
+                                       chunks * (2 * BT * BT * V + 2 * 2 * BT * K * V) + with_dsc * 2 * BT * K * V,
+                                       "bf16"),
         # a chunk with neither S0 nor dS_C (a one-chunk sequence without states) only stores zeros
         "kda_intra_bwd_w_kernel": (rows_either * (2 * H * K * bf / HV + bf + K * f4 + BT * f4 + V * (bf + f4 + bf))
                                    + (with_s0 + with_dsc) * state * bf + 3 * tok * K * f4 + tok * ns * BT * f4,

@@ -48,6 +48,17 @@ def test_costs_of_the_scan_and_the_output_by_hand():
     assert costs["kda_output_fwd_kernel"][:2] == (want_bytes, chunks * 2 * 64 * 32 * 16 + chunks * 2 * 64 * 64 * 16)
 
 
+def test_costs_of_the_fused_backward_scan_by_hand():
+    """Two sequences of 100 tokens (two chunks each), H = HV = 2, K = 32, V = 16, an
+    initial state and dht: the fused backward scan reads Qg, Kr, W, A_qk and dO (bf16)
+    and writes dU' (fp32), dS_C (bf16) and dh0 (fp32); four dots a chunk."""
+    s = roofline.Shape(lengths=(100, 100), H=2, HV=2, K=32, V=16, initial_state=True, final_state_grad=True)
+    tok, chunks, seqh, state = 200 * 2, 2 * 2 * 2, 2 * 2, 32 * 16
+    want_bytes = 3 * tok * 32 * 2 + tok * 64 * 2 + tok * 16 * 2 + tok * 16 * 4 + chunks * state * 2 + seqh * state * 4
+    want_flops = chunks * (2 * 64 * 64 * 16 + 3 * 2 * 64 * 32 * 16)
+    assert roofline.kernel_costs(s)["kda_state_bwd_fused_kernel"][:2] == (want_bytes, want_flops)
+
+
 def test_costs_skip_the_zero_state_terms_of_one_chunk_sequences():
     """Without initial states or final-state grads a one-chunk sequence has no state
     term: intra_bwd_w computes nothing for it (it stores zeros), the backward scan

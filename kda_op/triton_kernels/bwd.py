@@ -157,7 +157,6 @@ def kda_bwd_triton(
             and chunk_states.dtype == torch.bfloat16, INTERPRET=_INTERPRET,
             BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and up.dtype == torch.bfloat16
             and dchunk_states.dtype == torch.bfloat16,
-            BF16_DW=bool(S.INTRA_BWD_W_BF16_DW) and chunk_states.dtype == torch.bfloat16,
         )
     del dchunk_states
     dakk = torch.empty(B, T, HV, BT, **f32)

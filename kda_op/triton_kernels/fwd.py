@@ -147,14 +147,11 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
         )
     wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS
-    if S.TM_SOLVE_DOUBLING:
-        wu_warps = S.INTRA_WU_DOUBLING_WARPS
     for tiling in tilings:
         _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
             k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
-            STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS, TM_DOUBLING=bool(S.TM_SOLVE_DOUBLING),
-            SOLVE_PREC=S.TM_SOLVE_PREC,
+            STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             W_FIRST=w_first, **tiling, num_warps=wu_warps,
         )

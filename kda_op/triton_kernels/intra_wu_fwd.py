@@ -27,17 +27,13 @@ def kda_intra_wu_fwd_kernel(
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
-    PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True, TM_DOUBLING: tl.constexpr = False,
-    SOLVE_PREC: tl.constexpr = "tf32x3",
+    PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True,
 ):
     # TILE / SKIP_TILED / PICK_TILE: as in intra_a_fwd.py (the chunks of at most TILE
     # rows on [TILE, TILE] tiles, in a launch of their own or, PICK_TILE, in this one);
     # Tm's columns past the tile are stored as zeros.
     # W_FIRST = False (a forward that keeps nothing, no initial state): no W for a
     # sequence's first chunk, which the scan does not read (U' = U there).
-    # TM_DOUBLING (settings.TM_SOLVE_DOUBLING): Tm by doubling the blocks, log2(R) - 1
-    # levels of two dots at SOLVE_PREC, instead of BC - 1 serial substitution steps and the
-    # merge of the diagonal blocks (see _wu_chunk).
     # BF16_DOTS (bf16 inputs): W and U from Tm and their right-hand sides rounded to
     # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
     i_c = tl.program_id(0)
@@ -63,14 +59,14 @@ def kda_intra_wu_fwd_kernel(
     if PICK_TILE > 0:
         if T <= PICK_TILE:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, PICK_TILE,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, TM_DOUBLING, SOLVE_PREC)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
         else:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, BT,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, TM_DOUBLING, SOLVE_PREC)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
     else:
         R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
         _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, R,
-                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, TM_DOUBLING, SOLVE_PREC)
+                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
 
 
 @triton.jit
@@ -78,7 +74,7 @@ def _wu_chunk(
     k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     R: tl.constexpr, STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
-    BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr, TM_DOUBLING: tl.constexpr, SOLVE_PREC: tl.constexpr,
+    BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One chunk's Tm, W and U on [R, R] tiles (R = BT, or a short chunk's tile);
     the pointers are at the chunk's first row and this head, T its rows; W stored
@@ -98,48 +94,35 @@ def _wu_chunk(
     b_a = tl.load(akk + (o_t[:, None]) * (HV * BT) + o_r[None, :],
                   mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
     b_m = b_beta[:, None] * b_a
-    if TM_DOUBLING:
-        # X_s = (I + M_s)^-1, M_s: M within the diagonal blocks of s rows. With N_s the
-        # part of M in the 2s-blocks but not the s-blocks (their lower-left quarters),
-        # X_s N_s is nilpotent of order two, so X_2s = (I - X_s N_s) X_s = X_s - X_s N_s X_s:
-        # exact at every level, two dots each, no serial chain. X_2 = I - N_1.
-        b_x = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0) - tl.where(o_r[:, None] // 2 == o_r[None, :] // 2,
-                                                                           b_m, 0.0)
-        for lv in tl.static_range(1, R.bit_length() - 1):
-            b_ns = tl.where((o_r[:, None] >> (lv + 1) == o_r[None, :] >> (lv + 1))
-                            & (o_r[:, None] >> lv != o_r[None, :] >> lv), b_m, 0.0)
-            b_x = b_x - tl.dot(tl.dot(b_x, b_ns, input_precision=SOLVE_PREC), b_x, input_precision=SOLVE_PREC)
-        b_tm = b_x
-    else:
-        NB: tl.constexpr = R // BC
-        tl.static_assert(NB == 4 or NB == 2, "(I + P)^-1 = (I - P)(I + P^2) needs 4 sub-blocks (I - P: 2)")
-        o_b = tl.arange(0, NB)
-        same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
-        b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
-        b_x = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-        for i in range(1, BC):
-            row = (o_c == i)
-            if TM_ROW_LOADS:
-                # row i of every block loaded again (A_kk was just read: cache hits)
-                # rather than cut out of b_d by a cross-warp reduction
-                t_i = o_b * BC + i
-                m_i = t_i < T
-                b_bi = tl.load(beta + t_i * HV, mask=m_i, other=0.0).to(tl.float32)
-                b_di = b_bi[:, None] * tl.load(akk + t_i[:, None] * (HV * BT) + (o_b * BC)[:, None] + o_c[None, :],
-                                               mask=m_i[:, None] & (o_c[None, :] < i), other=0.0)
-            else:
-                b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
-            b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
-            b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
-        b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
-        b_n = tl.where(o_r[:, None] // BC > o_r[None, :] // BC, b_m, 0.0)
-        b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-        b_p = tl.dot(b_dinv, b_n, input_precision=DOT_PREC)
-        if NB == 4:
-            b_p2 = tl.dot(b_p, b_p, input_precision=DOT_PREC)
-            b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
+    NB: tl.constexpr = R // BC
+    tl.static_assert(NB == 4 or NB == 2, "(I + P)^-1 = (I - P)(I + P^2) needs 4 sub-blocks (I - P: 2)")
+    o_b = tl.arange(0, NB)
+    same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
+    b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
+    b_x = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    for i in range(1, BC):
+        row = (o_c == i)
+        if TM_ROW_LOADS:
+            # row i of every block loaded again (A_kk was just read: cache hits)
+            # rather than cut out of b_d by a cross-warp reduction
+            t_i = o_b * BC + i
+            m_i = t_i < T
+            b_bi = tl.load(beta + t_i * HV, mask=m_i, other=0.0).to(tl.float32)
+            b_di = b_bi[:, None] * tl.load(akk + t_i[:, None] * (HV * BT) + (o_b * BC)[:, None] + o_c[None, :],
+                                           mask=m_i[:, None] & (o_c[None, :] < i), other=0.0)
         else:
-            b_tm = tl.dot(b_eye - b_p, b_dinv, input_precision=DOT_PREC)
+            b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
+        b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
+        b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
+    b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
+    b_n = tl.where(o_r[:, None] // BC > o_r[None, :] // BC, b_m, 0.0)
+    b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    b_p = tl.dot(b_dinv, b_n, input_precision=DOT_PREC)
+    if NB == 4:
+        b_p2 = tl.dot(b_p, b_p, input_precision=DOT_PREC)
+        b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
+    else:
+        b_tm = tl.dot(b_eye - b_p, b_dinv, input_precision=DOT_PREC)
     if STORE_TM:
         tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], b_tm, mask=m_t[:, None])
         if R < BT:  # the columns past the tile: zero

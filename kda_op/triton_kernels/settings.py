@@ -31,7 +31,7 @@ INTRA_WU_FWD_WARPS = 4
 # kilobytes (benchmarks/kernel_resources.py).
 INTRA_WU_FWD_WARPS_BF16 = 2
 INTRA_BWD_W_WARPS = 8  # with BKS_W = 64; at 4 warps it spilled 2.4 KB
-INTRA_BWD_WARPS = 4
+INTRA_BWD_WARPS = 8  # 4 -> 8 on 2026-12-03 (see INTRA_BWD_BF16_DAQK)
 INTRA_BWD_A_WARPS = 4
 # How intra_wu_fwd.py gets row i of the diagonal blocks in each of the 15 steps of
 # its forward substitution: 0 cut out of the blocks in registers (a cross-warp
@@ -39,18 +39,6 @@ INTRA_BWD_A_WARPS = 4
 # warps): intra_wu_fwd 0.229 -> 0.190 ms, forward 0.999 -> 0.958 ms, outputs
 # bitwise the same (bench_kernels.py, 2026-11-30).
 TM_ROW_LOADS = 1
-# intra_wu_fwd's Tm = (I + diag(beta) A_kk)^-1 by doubling the diagonal blocks (1):
-# X_2s = X_s - X_s N_s X_s from blocks of 2 rows to the chunk, five levels of two
-# [BT, BT] dots at TM_SOLVE_PREC, no serial chain; 0: the forward substitution on the
-# 16-row blocks (15 serial steps, each on rows loaded again) and their merge. Built
-# 2026-12-03 after a Tm-only launch showed the substitution sets intra_wu_fwd's time
-# (benchmarks/NOTES.md); not yet timed. 3xTF32 keeps the levels at about fp32 accuracy
-# whatever the inputs' dtype.
-TM_SOLVE_DOUBLING = 0
-TM_SOLVE_PREC = "tf32x3"
-# ... and its warps, at every dtype: sm_90a (bf16, K = 128, Triton 3.6) at two warps it
-# spills 6.9 KB, at four 236 B (255 registers, 96 KB shared), at eight 328 B.
-INTRA_WU_DOUBLING_WARPS = 4
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
@@ -123,15 +111,16 @@ BKS_W = 64
 # taken it 2.086 -> 2.205). Its V block at 32 instead of 64 took it to 2.903 / 0.735.
 INTRA_BWD_W_BF16_DQG = 1
 # ... and its U' dS_C^T on bf16 operands where U' and dS_C are both stored in bf16
-# (BF16_RESIDUALS, BF16_DSTATES): the same products again (built 2026-12-03, untimed).
-# INTRA_BWD_W_BF16_DW: its dU' S0^T with dU' (fp32) rounded to bf16 on entering the dot,
-# as fla's dv; needs bf16 chunk states (built 2026-12-03, untimed).
-INTRA_BWD_W_BF16_DKR = 0
-INTRA_BWD_W_BF16_DW = 0
+# (BF16_RESIDUALS, BF16_DSTATES): the same products again. H200 (2026-12-03, Triton 3.6,
+# ours alone, layer-style, same process): kda_intra_bwd_w 2.039 -> 1.865 ms at
+# B2-T8192-H8-HV32, 0.520 -> 0.475 at B1-T8192-H16. (dU' S0^T with dU' rounded to bf16
+# on top, as fla's dv, was timed the same day: 1.892, no gain; dropped.)
+INTRA_BWD_W_BF16_DKR = 1
 # intra_bwd's dO U'^T on bf16 operands where dO and U' are both bf16: the same products
-# as at TF32, fewer registers (1.2 KB of spills at four warps, bf16, K = V = 128). Built
-# 2026-12-03, untimed.
-INTRA_BWD_BF16_DAQK = 0
+# as at TF32, fewer registers (sm_90a at four warps: 1.3 KB of spills -> 1.0). H200
+# (2026-12-03, as above): kda_intra_bwd 1.034 -> 0.892 ms at B2, 0.269 -> 0.231 at B1;
+# with INTRA_BWD_WARPS = 8 as well 0.868 / 0.225 (eight warps alone: 0.895 / 0.232).
+INTRA_BWD_BF16_DAQK = 1
 # dS_C, the grad of each chunk's leaving state (the backward's [NC, HV, K, V]
 # buffer, also the prep kernel's Qg^T dO of the chunk), in bf16 for bf16 inputs
 # instead of fp32, as fla keeps its dh in the input dtype: half its bytes (0.5
@@ -304,14 +293,19 @@ SCAN_BWD_PREFETCH = 0
 # The backward scan with its parallel part inside (state_bwd.py's fused kernel), as
 # fla's dh kernel: each chunk forms A_qk^T dO and Qg^T dO itself instead of reading them
 # from the prep kernel (whose Qg^T dO shared dS_C's slot, so each chunk passed a barrier
-# between reading and overwriting it, and Triton's pipeliner took none of the loop's
-# loads); the prep kernel then runs only where the forward kept no U'. Its dots on bf16
-# operands where Qg, Kr, W, A_qk and dO are bf16 (SCAN_BWD_BF16_DOTS: dS_C and dU' rounded
-# to bf16 on entering them, as fla; dS carried in fp32). Its V block: at least
-# BV_SCAN_BWD_MIN (a V block of 16 is the one the scans' faults were seen at), doubled to
-# one wave of SCAN_BWD_PER_SM programs an SM; SCAN_BWD_STAGES where the operands are
-# bf16 and BK <= 128 (one stage otherwise: shared memory). Built 2026-12-03, untimed.
-SCAN_BWD_FUSED = 0
+# between reading and overwriting it); the prep kernel then runs only where the forward
+# kept no U'. Its dots on bf16 operands where Qg, Kr, W, A_qk and dO are bf16
+# (SCAN_BWD_BF16_DOTS: dS_C and dU' rounded to bf16 on entering them, as fla; dS carried
+# in fp32). Its V block: at least BV_SCAN_BWD_MIN, doubled to one wave of SCAN_BWD_PER_SM
+# programs an SM; SCAN_BWD_STAGES where the operands are bf16 and BK <= 128 (one stage
+# otherwise: shared memory). H200 (2026-12-03, Triton 3.6, ours alone, layer-style, same
+# process): state_bwd_prep + state_bwd 0.373 + 0.725 -> 0.626 ms at B2-T8192-H8-HV32 (V
+# block 64), step 8.478 -> 8.006 ms; 0.095 + 0.496 -> 0.461 at B1-T8192-H16 (V block 32).
+# With TF32 dots 1.003 ms at B2, with two programs an SM (V block 32) 0.990. A V block of
+# 16 (BV_SCAN_BWD_MIN = 16 at B1) hit an illegal memory access on its first call, as the
+# other scans did at 16 (BV_SCAN_FP32_OPERANDS, SCAN_BWD_PREFETCH); the interpreter's
+# bounds check finds no access outside its tensors. 0: the scan beside the prep kernel.
+SCAN_BWD_FUSED = 1
 SCAN_BWD_BF16_DOTS = 1
 BV_SCAN_BWD_MIN = 32
 SCAN_BWD_PER_SM = 1
