@@ -5,8 +5,11 @@ at its end:
   U' = U - W S0                                  (the forward's residuals)
   dU' = A_qk^T dO + Kr dS_C,                     Kr = K * exp(Gam - gam)
   dS0 = exp(Gam) dS_C + Qg^T dO - W^T dU',       Qg = Q * scale * exp(gam)
-Everything but the terms with dS_C is independent across chunks:
-kda_state_bwd_prep_kernel (one program per chunk, batch * value head and V block)
+By default (settings.SCAN_BWD_FUSED) kda_state_bwd_fused_kernel, one program per V
+block and batch * value head, carries dS from the last chunk to the first and forms
+every term itself, four dots a chunk; kda_state_bwd_prep_kernel then only writes U'
+where the forward did not keep it. Otherwise, since everything but the terms with
+dS_C is independent across chunks: kda_state_bwd_prep_kernel (one program per chunk, batch * value head and V block)
 writes U' (unless the forward kept it), A_qk^T dO (into dU') and Qg^T dO (into the chunk's slot of the
 dchunk_states buffer). kda_state_bwd_kernel (one program per V block and batch *
 value head) then carries dS from the last chunk to the first with two dots a
