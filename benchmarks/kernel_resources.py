@@ -224,8 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         (state_bwd.kda_state_bwd_kernel,
          dict(**vl_seq, kr=op, w=op, gam=f32, dht=f32, dup=f32, dchunk_states=dsc, dh0=f32, ds_offsets="*i64",
               **ints),
-         dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec,
-              PREFETCH=int(S.SCAN_BWD_PREFETCH)), S.SCAN_WARPS, s["SCAN_STAGES"]),
+         dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN"], HAS_DHT=True, DOT_PREC=prec), S.SCAN_WARPS,
+         s["SCAN_STAGES"]),
         # the fused backward scan (settings.SCAN_BWD_FUSED), its V block as --scan-bv says
         (state_bwd.kda_state_bwd_fused_kernel,
          dict(**vl_seq, qg=op, kr=op, w=op, aqk=aq, gam=f32, do=x, dht=f32, dup=f32, dchunk_states=dsc, dh0=f32,

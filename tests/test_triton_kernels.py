@@ -1134,57 +1134,6 @@ def test_host_ranges_only_while_a_profiler_records():
     assert isinstance(_range("kda_op::test::idle"), contextlib.nullcontext)
 
 
-@pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training", "packed-training-compact"])
-def test_backward_scan_prefetch_gives_the_same_bits(case, monkeypatch):
-    """settings.SCAN_BWD_PREFETCH (the backward scan loads each chunk's operands one
-    chunk ahead, no barrier; or, 2, all of them at the top of the chunk): every grad
-    bitwise that of the loop that loads them where they are used, and within fp32
-    rounding of the reference. Cases: equal-length sequences with an initial state
-    and dht (three chunks, a partial last one); packed sequences with initial states
-    and dht; packed without either (the last chunk peeled off the loop), with a dS_C
-    slot per chunk and compact."""
-    from kda_op.ops import _reference_bwd, _reference_fwd
-    from kda_op.triton_kernels import settings
-
-    if case == "batch":
-        inputs = _inputs(2, 2 * CHUNK_SIZE + 7, 1, 2, 32, 16, True, seed=5)
-        args = [inputs[n] for n in NAMES]
-        h0, cu, gate = inputs["initial_state"], None, None
-        cpu = [x.cpu() for x in args]
-        want_fwd = _reference_fwd(*cpu, None, h0.cpu())
-    else:
-        lengths = [0, 1, 64, 65, 3, 200, 0, 130]
-        cu, (q, k, v, g, beta), gate, _ = _packed_problem(lengths, 31, gated=True, decay=1.0)
-        cpu = [q, k, v, g, beta]
-        args = [x.to(DEVICE) for x in cpu]
-        h0 = None
-        if case == "packed-with-states":
-            h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-        want_fwd = _reference_fwd(*cpu, None, None if h0 is None else h0.cpu(), gate, cu)
-        gate = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
-        cu = cu.to(DEVICE)
-    with_dht = case in ("batch", "packed-with-states")
-    gen = torch.Generator().manual_seed(7)
-    do = torch.randn(want_fwd[0].shape, generator=gen).to(DEVICE)
-    dht = torch.randn(want_fwd[1].shape, generator=gen).to(DEVICE) if with_dht else None
-    gate_ref = None if gate is None else tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in gate)
-    want = _reference_bwd(*cpu, None, None if h0 is None else h0.cpu(), want_fwd[2], do.cpu(),
-                          None if dht is None else dht.cpu(), gate_ref, None if cu is None else cu.cpu())
-    monkeypatch.setattr(settings, "COMPACT_DSTATES", int(case == "packed-training-compact"))
-    monkeypatch.setattr(settings, "SCAN_BWD_FUSED", 0)  # the prefetch is that scan's
-    results = []
-    for prefetch in (0, 1, 2):
-        monkeypatch.setattr(settings, "SCAN_BWD_PREFETCH", prefetch)
-        _, _, cs, kept = kda_fwd_triton(*args, None, h0, True, gate=gate, cu_seqlens=cu,
-                                        output_final_state=with_dht)
-        results.append(kda_bwd_triton(*args, None, h0, cs, do, dht, kept, gate=gate, cu_seqlens=cu))
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for name, a, b, c, ref in zip(names, *results, want):
-        assert torch.equal(a, b) and torch.equal(a, c), name
-        if ref.numel():
-            _rel_close(b, ref, name)
-
-
 def _row_block_problem(case, lengths, seed, h0_seed):
     """The row-block tests' inputs under fla's bounded gate at lower_bound -5, on the CPU:
     ``([q, k, v, g, beta], gate, cu_seqlens, h0)``. "batch": two sequences of 130 rows

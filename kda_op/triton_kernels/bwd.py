@@ -129,7 +129,7 @@ def kda_bwd_triton(
                 *s["VL_SEQ"], ds_offsets, T, NC,
                 H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN"],
                 HAS_DHT=dht is not None, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None,
-                INTERPRET=_INTERPRET, COMPACT=compact, PREFETCH=int(S.SCAN_BWD_PREFETCH),
+                INTERPRET=_INTERPRET, COMPACT=compact,
                 num_warps=S.SCAN_WARPS, num_stages=s["SCAN_STAGES"],
             )
 

@@ -258,59 +258,11 @@ BV_SCAN_MAX = 64
 SCAN_SMS = None
 SCAN_WARPS = 8
 SCAN_STAGES = 2  # where BK <= 128; one stage above
-# The backward scan (state_bwd.py) loads each chunk's operands (gam's last row, Qg^T
-# dO, Kr, W, dU') one chunk ahead, in registers carried over its loop, instead of at
-# the top of the chunk behind a barrier: on sm_90a Triton's pipeliner does not take
-# that loop's loads (the SASS is the same at one, two or three stages), so each chunk
-# waited on two rounds of global loads before its two dots. The same arithmetic, so
-# the same bits (tests/test_triton_kernels.py). 0: the loop with the barrier.
-# H200 (2026-12-02, Triton 3.6): kda_state_bwd_kernel 0.507 -> 0.387 ms at B1-T8192-H16
-# layer-style (the step's kernels 2.880 -> 2.760 ms), and every fp32 CUDA test passed under
-# it; but with bf16 inputs (V block 16) it hit an illegal memory access: test_cuda.py's
-# half-precision case (K = 128, T = 333, dht and dh0), a K = 32 / V = 20 case of
-# test_triton_kernels.py, the varlen bench rows; the interpreter's bounds check finds no
-# access outside its tensors at the shapes it runs. Off until that is understood (sm_90a
-# SASS: 255 registers and 144 B of spills against 239 and none without it).
-# 2: the chunk's own five loads issued together at the top of its iteration, then the
-# barrier and the store: one round of load latency a chunk instead of two, no registers
-# carried over the loop. It faults too (H200, 2026-12-03): the same K = 32 / V = 20 bf16
-# case, and test_cuda.py's bf16 cases after seven had passed. With CUDA_LAUNCH_BLOCKING
-# mode 1's fault surfaced at the scan's launch (half-precision case). Under
-# compute-sanitizer's memcheck the scan shows no access outside an allocation in either
-# mode, but that K = 32 case then fails in every mode, 0 included, on 16-byte reads of
-# intra_bwd_a.py:202 (dA_qk, the block references' row blocks) hundreds of MB outside any
-# allocation; without the sanitizer mode 0 passes it. Registers do not explain it (sm_90a,
-# Triton 3.6, bf16): at K = 128 modes 1 / 2 take 255 with 232 / 16 B of spills (mode 0: 249,
-# none), but at K = 32 mode 2 takes 158, none. Not understood.
-# Retested 2026-12-03 (twenty-first session, H200) after the intra_bwd_a row-block dots,
-# whose out-of-bounds reads had been suspected, were turned off: mode 1 still faults
-# (test_cuda.py's half-precision case at K = 128, an illegal memory access that took the
-# other 19 bf16 cases of that process with it; the fp32 cases passed), so the fault is the
-# prefetch's own. Timed the same day as a variant against fla (layer-style): state_bwd 0.495
-# -> 0.384 ms at B1-T8192-H16 (V block 16, one wave) but 0.724 -> 0.873 at
-# B2-T8192-H8-HV32 (V block 64), forward+backward 2.698 -> 2.588 / 8.436 -> 8.589 ms.
-SCAN_BWD_PREFETCH = 0
-# The backward scan with its parallel part inside (state_bwd.py's fused kernel), as
-# fla's dh kernel: each chunk forms A_qk^T dO and Qg^T dO itself instead of reading them
-# from the prep kernel (whose Qg^T dO shared dS_C's slot, so each chunk passed a barrier
-# between reading and overwriting it); the prep kernel then runs only where the forward
-# kept no U'. Its dots on bf16 operands where Qg, Kr, W, A_qk and dO are bf16
-# (SCAN_BWD_BF16_DOTS: dS_C and dU' rounded to bf16 on entering them, as fla; dS carried
-# in fp32). Its V block: at least BV_SCAN_BWD_MIN, doubled to one wave of SCAN_BWD_PER_SM
-# programs an SM; SCAN_BWD_STAGES where the operands are bf16 and BK <= 128 (one stage
-# otherwise: shared memory). H200 (2026-12-03, Triton 3.6, ours alone, layer-style, same
-# process): state_bwd_prep + state_bwd 0.373 + 0.725 -> 0.626 ms at B2-T8192-H8-HV32 (V
-# block 64), step 8.478 -> 8.006 ms; 0.095 + 0.496 -> 0.461 at B1-T8192-H16 (V block 32).
-# With TF32 dots 1.003 ms at B2, with two programs an SM (V block 32) 0.990. A V block of
-# 16 (BV_SCAN_BWD_MIN = 16 at B1) hit an illegal memory access on its first call, as the
-# other scans did at 16 (BV_SCAN_FP32_OPERANDS, SCAN_BWD_PREFETCH); the interpreter's
-# bounds check finds no access outside its tensors. 0: the scan beside the prep kernel.
-SCAN_BWD_FUSED = 1
-SCAN_BWD_BF16_DOTS = 1
-BV_SCAN_BWD_MIN = 32
-SCAN_BWD_PER_SM = 1
-SCAN_BWD_STAGES = 2
-SCAN_BWD_WARPS = None  # None: SCAN_WARPS
+# (SCAN_BWD_PREFETCH, 2026-12-02 and -03: the backward scan beside the prep kernel with each
+# chunk's operands loaded a chunk ahead, or all at the top of the chunk, gained at B1 and
+# faulted with bf16 inputs at a V block of 16 (illegal memory access; compute-sanitizer
+# found no access outside an allocation); removed once the fused scan below took its
+# place. benchmarks/NOTES.md has its history.)
 # ... but SCAN_STAGES_WIDE_BF16 at BK = 256 with bf16 operands (bf16 inputs). On the
 # H200 (Triton 3.6) test_cuda.py's bf16 case at K = 256 gave o 7.3e-2 off the fp64
 # reference in every run at one stage (a call of the thirteenth session and twice in
@@ -320,6 +272,27 @@ SCAN_BWD_WARPS = None  # None: SCAN_WARPS
 # one stage in the forward scan was also wrong at K = 64 / 128 (SHORT_SEQ_CHUNKS
 # below). fp32 operands keep one stage at BK = 256 (shared memory), and pass.
 SCAN_STAGES_WIDE_BF16 = 2
+# The backward scan with its parallel part inside (state_bwd.py's fused kernel), as
+# fla's dh kernel: each chunk forms A_qk^T dO and Qg^T dO itself instead of reading them
+# from the prep kernel (whose Qg^T dO shared dS_C's slot, so each chunk passed a barrier
+# between reading and overwriting it); the prep kernel then runs only where the forward
+# kept no U'. Its dots on bf16 operands where Qg, Kr, W, A_qk and dO are bf16
+# (SCAN_BWD_BF16_DOTS: dS_C and dU' rounded to bf16 on entering them, as fla; dS carried
+# in fp32). Its V block: at least BV_SCAN_BWD_MIN, doubled to one wave of SCAN_BWD_PER_SM
+# programs an SM; SCAN_BWD_STAGES where the operands are bf16 and BK <= 128 (one stage
+# otherwise: shared memory; test_cuda.py's bf16 case at K = 256 passed so on the H200). H200 (2026-12-03, Triton 3.6, ours alone, layer-style, same
+# process): state_bwd_prep + state_bwd 0.373 + 0.725 -> 0.626 ms at B2-T8192-H8-HV32 (V
+# block 64), step 8.478 -> 8.006 ms; 0.095 + 0.496 -> 0.461 at B1-T8192-H16 (V block 32).
+# With TF32 dots 1.003 ms at B2, with two programs an SM (V block 32) 0.990. A V block of
+# 16 (BV_SCAN_BWD_MIN = 16 at B1) hit an illegal memory access on its first call, as the
+# other scans did at 16 (BV_SCAN_FP32_OPERANDS, the prefetch above); the interpreter's
+# bounds check finds no access outside its tensors. 0: the scan beside the prep kernel.
+SCAN_BWD_FUSED = 1
+SCAN_BWD_BF16_DOTS = 1
+BV_SCAN_BWD_MIN = 32
+SCAN_BWD_PER_SM = 1
+SCAN_BWD_STAGES = 2
+SCAN_BWD_WARPS = None  # None: SCAN_WARPS
 # The forward scan alone (None: as above): its warps, stages (bf16 operands and
 # BK <= 128 only; see _sizes) and V block (before the doubling to one wave); and
 # how many of its programs one SM runs at once, for the V block's choice (a wave =

@@ -111,45 +111,6 @@ def kda_state_bwd_prep_kernel(
 
 
 @triton.jit
-def _scan_bwd_operands(kr, w, gam, dup, dchunk_states, i_c, T, cs_stride, state_off, row_k, row_v, o_r, o_k, m_k, m_v,
-                       m_kv, HV, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, QDO_SHIFT: tl.constexpr,
-                       HAS_DH0: tl.constexpr):
-    """What the reverse scan reads for chunk ``i_c`` (nothing where ``i_c < 0``):
-    its last row of gam, the prep kernel's Qg^T dO, Kr, W and A_qk^T dO (dU')."""
-    # as block masks (a scalar bool would be promoted to int under the interpreter)
-    live_k = m_k & (i_c + 0 * o_k >= 0)
-    live_t = i_c + 0 * o_r >= 0
-    i_c = tl.maximum(i_c, 0)
-    r0 = tl.cast(i_c * BT, tl.int64)
-    m_t = (i_c * BT + o_r < T) & live_t
-    b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=live_k, other=0.0)
-    m_qdo = m_kv & (((i_c + 0 * o_k > 0) | HAS_DH0) & live_k)[:, None]
-    b_qdo = tl.load(dchunk_states + (i_c - QDO_SHIFT) * cs_stride + state_off, mask=m_qdo, other=0.0)
-    b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_dup = tl.load(dup + r0 * (HV * V) + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
-    return b_glast, b_qdo, b_kr, b_w, b_dup
-
-
-@triton.jit
-def _scan_bwd_chunk(b_ds, b_glast, b_qdo, b_kr, b_w, b_dup, i_c, T, dchunk_states, dup, cs_stride, state_off,
-                    row_v, o_r, m_v, m_kv, HV, V: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr,
-                    INTERPRET: tl.constexpr, BARRIER: tl.constexpr):
-    """One chunk of the reverse scan from its loaded operands (``_scan_bwd_operands``):
-    stores dS_C (``b_ds``) and dU', returns dS entering the chunk. ``BARRIER``: every
-    thread's load of the chunk's Qg^T dO completes before dS_C overwrites its slot."""
-    r0 = tl.cast(i_c * BT, tl.int64)
-    m_t = i_c * BT + o_r < T
-    b_next = b_ds * tl.exp(b_glast)[:, None] + b_qdo.to(tl.float32)
-    if BARRIER:
-        tl.debug_barrier()
-    tl.store(dchunk_states + i_c * cs_stride + state_off, as_stored(b_ds, dchunk_states, INTERPRET), mask=m_kv)
-    b_dup = b_dup + tl.dot(b_kr.to(tl.float32), b_ds, input_precision=DOT_PREC)
-    tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_t[:, None] & m_v[None, :])
-    return b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
-
-
-@triton.jit
 def kda_state_bwd_kernel(
     kr, w, gam, dht,
     dup, dchunk_states, dh0,
@@ -161,7 +122,7 @@ def kda_state_bwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True, INTERPRET: tl.constexpr = False,
-    COMPACT: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
+    COMPACT: tl.constexpr = False,
 ):
     # COMPACT (packed, without dht and dh0; see the prep kernel): chunk c's dS_C in slot
     # c of the sequence's NC - 1, and chunk c's Qg^T dO read from slot c - 1.
@@ -225,66 +186,33 @@ def kda_state_bwd_kernel(
                 b_ds = (tl.load(p_ds, mask=m_kv, other=0.0).to(tl.float32)
                         - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC))
 
-    if PREFETCH == 1:
-        # settings.SCAN_BWD_PREFETCH = 1: each chunk's operands are loaded one chunk ahead,
-        # in the iteration before (registers carried over the loop), so their latency
-        # overlaps that chunk's two dots instead of preceding them; the same
-        # arithmetic in the same order as the loop below (the same bits). Safe
-        # without a barrier: chunk c's Qg^T dO (in the slot its dS_C overwrites, or
-        # COMPACT the one before) is read an iteration before that slot is written.
-        i_first = NC - 1 - PEEL_ONE
-        b_glast, b_qdo, b_kr, b_w, b_dup = _scan_bwd_operands(
-            kr, w, gam, dup, dchunk_states, i_first, T, cs_stride, state_off, row_k, row_v, o_r, o_k, m_k, m_v,
-            m_kv, HV, K, V, BT, QDO_SHIFT, HAS_DH0)
-        for i_rev in range(PEEL_ONE, NC):
-            i_c = NC - 1 - i_rev
-            n_glast, n_qdo, n_kr, n_w, n_dup = _scan_bwd_operands(
-                kr, w, gam, dup, dchunk_states, i_c - 1, T, cs_stride, state_off, row_k, row_v, o_r, o_k, m_k,
-                m_v, m_kv, HV, K, V, BT, QDO_SHIFT, HAS_DH0)
-            b_ds = _scan_bwd_chunk(b_ds, b_glast, b_qdo, b_kr, b_w, b_dup, i_c, T, dchunk_states, dup, cs_stride,
-                                   state_off, row_v, o_r, m_v, m_kv, HV, V, BT, DOT_PREC, INTERPRET, False)
-            b_glast, b_qdo, b_kr, b_w, b_dup = n_glast, n_qdo, n_kr, n_w, n_dup
-    elif PREFETCH == 2:
-        # settings.SCAN_BWD_PREFETCH = 2: all five of the chunk's loads issued together at
-        # the top of its iteration (one round of load latency a chunk, not two), nothing
-        # carried over the loop; the same arithmetic in the same order
-        for i_rev in range(PEEL_ONE, NC):
-            i_c = NC - 1 - i_rev
-            b_glast, b_qdo, b_kr, b_w, b_dup = _scan_bwd_operands(
-                kr, w, gam, dup, dchunk_states, i_c, T, cs_stride, state_off, row_k, row_v, o_r, o_k, m_k, m_v,
-                m_kv, HV, K, V, BT, QDO_SHIFT, HAS_DH0)
-            # the slot just read (non-COMPACT) is overwritten in the same iteration: a barrier
-            b_ds = _scan_bwd_chunk(b_ds, b_glast, b_qdo, b_kr, b_w, b_dup, i_c, T, dchunk_states, dup, cs_stride,
-                                   state_off, row_v, o_r, m_v, m_kv, HV, V, BT, DOT_PREC, INTERPRET, True)
-    else:
-        for i_rev in range(PEEL_ONE, NC):
-            i_c = NC - 1 - i_rev
-            r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
-            m_t = i_c * BT + o_r < T
-            m_tk = m_t[:, None] & m_k[None, :]
-            m_tv = m_t[:, None] & m_v[None, :]
-            p_ds = dchunk_states + i_c * cs_stride + state_off
+    for i_rev in range(PEEL_ONE, NC):
+        i_c = NC - 1 - i_rev
+        r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
+        m_t = i_c * BT + o_r < T
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        p_ds = dchunk_states + i_c * cs_stride + state_off
 
-            # Qg^T dO from the prep kernel sits in the slot this chunk's dS_C goes to (COMPACT:
-            # the one before): use it
-            # (so a prefetched copy of it has landed) and pass a barrier before the store. Not
-            # for the first chunk without dh0: dS entering it is not needed, the prep kernel
-            # does not form it.
-            # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
-            b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
-            m_qdo = m_kv & ((i_c + 0 * o_k > 0) | HAS_DH0)[:, None]
-            b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds - QDO_SHIFT * cs_stride, mask=m_qdo,
-                                                               other=0.0).to(tl.float32)
-            tl.debug_barrier()
-            tl.store(p_ds, as_stored(b_ds, dchunk_states, INTERPRET), mask=m_kv)
+        # Qg^T dO from the prep kernel sits in the slot this chunk's dS_C goes to (COMPACT:
+        # the one before): use it and pass a barrier before the store (every thread's
+        # read lands first). Not for the first chunk without dh0: dS entering it is not
+        # needed, the prep kernel does not form it.
+        # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
+        b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        m_qdo = m_kv & ((i_c + 0 * o_k > 0) | HAS_DH0)[:, None]
+        b_next = b_ds * tl.exp(b_glast)[:, None] + tl.load(p_ds - QDO_SHIFT * cs_stride, mask=m_qdo,
+                                                           other=0.0).to(tl.float32)
+        tl.debug_barrier()
+        tl.store(p_ds, as_stored(b_ds, dchunk_states, INTERPRET), mask=m_kv)
 
-            b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
-            b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
-            # dU' = A_qk^T dO (from the prep kernel) + Kr dS_C
-            p_dup = dup + r0 * (HV * V) + row_v
-            b_dup = tl.load(p_dup, mask=m_tv, other=0.0) + tl.dot(b_kr.to(tl.float32), b_ds, input_precision=DOT_PREC)
-            tl.store(p_dup, b_dup, mask=m_tv)
-            b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
+        b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
+        b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
+        # dU' = A_qk^T dO (from the prep kernel) + Kr dS_C
+        p_dup = dup + r0 * (HV * V) + row_v
+        b_dup = tl.load(p_dup, mask=m_tv, other=0.0) + tl.dot(b_kr.to(tl.float32), b_ds, input_precision=DOT_PREC)
+        tl.store(p_dup, b_dup, mask=m_tv)
+        b_ds = b_next - tl.dot(tl.trans(b_w).to(tl.float32), b_dup, input_precision=DOT_PREC)
 
     if HAS_DH0:
         tl.store(dh0 + state_off, b_ds, mask=m_kv)
