@@ -1376,6 +1376,24 @@ def test_fused_backward_scan_matches_the_scan_beside_the_prep_kernel(case, monke
                 _rel_close(b, ref, name)
 
 
+def _bf16_problem(T, seed):
+    """bf16 inputs (g fp32) on the device, one key head, two value heads, K = V = 32, an
+    initial state, a bf16 dO and an fp32 dht, and the fp64 reference's grads on the same
+    rounded inputs: ``(args, do, dht, grads_ref)``, args as kda_fwd_triton takes them."""
+    names = ("q", "k", "v", "g", "beta")
+    inputs = make_inputs(B=1, T=T, H=1, G=2, K=32, V=32, dtype=torch.float64, seed=seed)
+    xbf = [inputs[n].float() if n == "g" else inputs[n].to(torch.bfloat16) for n in names]
+    h0 = inputs["initial_state"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(1, T, 2, 32, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    dht = torch.randn(1, 2, 32, 32, generator=gen)
+    ref_in = [x.double() for x in xbf]  # the reference sees the same rounded inputs, in fp64
+    _, _, cs_ref = kda_forward_reference(*ref_in, None, h0)
+    grads_ref = kda_backward_reference(*ref_in, None, h0, cs_ref, do.double(), dht.double())
+    args = [x.to(DEVICE) for x in xbf] + [None, h0.float().to(DEVICE)]
+    return args, do.to(DEVICE), dht.to(DEVICE), grads_ref
+
+
 def test_fused_backward_scan_takes_bf16_dots_for_bf16_inputs(monkeypatch):
     """settings.SCAN_BWD_FUSED with SCAN_BWD_BF16_DOTS: bf16 inputs (Qg, Kr, W, A_qk and
     dO all bf16) put dS_C and dU' into the scan's dots rounded to bf16 (the GPU's
@@ -1384,25 +1402,15 @@ def test_fused_backward_scan_takes_bf16_dots_for_bf16_inputs(monkeypatch):
     fp32 inputs keep TF32 dots."""
     from kda_op.triton_kernels import bwd, settings
 
-    names = ("q", "k", "v", "g", "beta")
-    inputs = make_inputs(B=1, T=2 * CHUNK_SIZE + 21, H=1, G=2, K=32, V=32, dtype=torch.float64, seed=109)
-    xbf = [inputs[n].float() if n == "g" else inputs[n].to(torch.bfloat16) for n in names]
-    h0 = inputs["initial_state"]
-    gen = torch.Generator().manual_seed(111)
-    do = torch.randn(1, 2 * CHUNK_SIZE + 21, 2, 32, generator=gen, dtype=torch.float64).to(torch.bfloat16)
-    dht = torch.randn(1, 2, 32, 32, generator=gen)
-    ref_in = [x.double() for x in xbf]  # the reference sees the same rounded inputs, in fp64
-    _, _, cs_ref = kda_forward_reference(*ref_in, None, h0)
-    grads_ref = kda_backward_reference(*ref_in, None, h0, cs_ref, do.double(), dht.double())
+    args, do, dht, grads_ref = _bf16_problem(2 * CHUNK_SIZE + 21, seed=109)
     seen = []
     _on_launch(monkeypatch, bwd, "kda_state_bwd_fused_kernel", lambda kw: seen.append(kw["BF16_DOTS"]))
     monkeypatch.setattr(settings, "SCAN_BWD_FUSED", 1)
-    args = [x.to(DEVICE) for x in xbf] + [None, h0.float().to(DEVICE)]
     errors = {}
     for bf16_dots in (0, 1):
         monkeypatch.setattr(settings, "SCAN_BWD_BF16_DOTS", bf16_dots)
         o, ht, cs, kept = kda_fwd_triton(*args, keep_intermediates=True)
-        grads = kda_bwd_triton(*args, cs, do.to(DEVICE), dht.to(DEVICE), intermediates=kept)
+        grads = kda_bwd_triton(*args, cs, do, dht, intermediates=kept)
         for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
             errors[name, bf16_dots] = ((got.cpu().double() - want).norm() / want.norm()).item()
     # bf16 rounding (2^-8) of the grads and of W, Qg, Kr, A_qk; dS_C and dU' rounded to
@@ -1423,24 +1431,14 @@ def test_intra_bwd_w_takes_a_bf16_dot_for_u_prime_and_ds_c(monkeypatch):
     reference on the same rounded inputs."""
     from kda_op.triton_kernels import bwd, settings
 
-    names = ("q", "k", "v", "g", "beta")
-    inputs = make_inputs(B=1, T=2 * CHUNK_SIZE + 13, H=1, G=2, K=32, V=32, dtype=torch.float64, seed=121)
-    xbf = [inputs[n].float() if n == "g" else inputs[n].to(torch.bfloat16) for n in names]
-    h0 = inputs["initial_state"]
-    gen = torch.Generator().manual_seed(123)
-    do = torch.randn(1, 2 * CHUNK_SIZE + 13, 2, 32, generator=gen, dtype=torch.float64).to(torch.bfloat16)
-    dht = torch.randn(1, 2, 32, 32, generator=gen)
-    ref_in = [x.double() for x in xbf]  # the reference sees the same rounded inputs, in fp64
-    _, _, cs_ref = kda_forward_reference(*ref_in, None, h0)
-    grads_ref = kda_backward_reference(*ref_in, None, h0, cs_ref, do.double(), dht.double())
+    args, do, dht, grads_ref = _bf16_problem(2 * CHUNK_SIZE + 13, seed=121)
     seen = []
     _on_launch(monkeypatch, bwd, "kda_intra_bwd_w_kernel", lambda kw: seen.append(kw["BF16_DKR"]))
-    args = [x.to(DEVICE) for x in xbf] + [None, h0.float().to(DEVICE)]
     o, ht, cs, kept = kda_fwd_triton(*args, keep_intermediates=True)
     results = []
     for dkr in (0, 1):
         monkeypatch.setattr(settings, "INTRA_BWD_W_BF16_DKR", dkr)
-        results.append(kda_bwd_triton(*args, cs, do.to(DEVICE), dht.to(DEVICE), intermediates=kept))
+        results.append(kda_bwd_triton(*args, cs, do, dht, intermediates=kept))
     assert seen == [False, True], seen
     for name, a, b, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), *results, grads_ref):
         assert a.float().abs().max() > 0.01, name
