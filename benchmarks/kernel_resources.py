@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import gam_fwd, intra_a_fwd, intra_a_fwd_rows, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, varlen_index
+from kda_op.triton_kernels import diag_inv, gam_fwd, intra_a_fwd, intra_a_fwd_rows, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, varlen_index
 from kda_op import _contract
 from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
@@ -200,11 +200,15 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
          dict(**varlen, K=K, BT=BT, BC=BC, BKS=S.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT,
               ROW_PROGRAMS=bool(S.STEEP_FWD_ROW_PROGRAMS), BLOCK_REFS=bool(S.STEEP_BLOCK_REFS)), 4, 3),
+        # the diagonal blocks' inverses in a launch of their own (settings.INTRA_DIAG_INV_KERNEL)
+        (diag_inv.kda_diag_inv_kernel, dict(**vl_chunk, akk=f32, beta=x, dinv=f32, **ints),
+         dict(**varlen, BT=BT, BC=BC), S.DIAG_INV_WARPS, 3),
         # as the forward that keeps its intermediates (and the backward's recompute)
         # launches it, then as one that keeps nothing
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
-           dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, w=op, u=res, tm=f32, **ints),
+           dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, dinv=f32, w=op, u=res, tm=f32, **ints),
            dict(common, **varlen, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
+                DINV_IN=bool(S.INTRA_DIAG_INV_KERNEL),
                 BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
            S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],

@@ -1478,3 +1478,55 @@ def test_intra_bwd_takes_a_bf16_dot_for_do_and_u_prime(monkeypatch):
     o, ht, cs, kept = kda_fwd_triton(*fp32, None, h0, True)
     kda_bwd_triton(*fp32, None, h0, cs, torch.randn_like(o), None, kept)
     assert seen == [False, True, False], seen
+
+
+@pytest.mark.parametrize("case", ["batch", "packed-short-tiles", "packed-row-programs"])
+def test_diagonal_inverses_in_their_own_launch_match_the_substitution(case, monkeypatch):
+    """settings.INTRA_DIAG_INV_KERNEL (the inverses of the 16-row diagonal blocks of
+    I + diag(beta) A_kk by diag_inv.py, one single-warp program per block, merged into Tm
+    by intra_wu_fwd.py): the kept Tm, W, U and every output within fp32 rounding of the
+    substitution in intra_wu_fwd's own programs, the outputs and grads within the
+    reference's tolerance; under the interpreter no access leaves its tensor. Batch: K = 48,
+    V = 40, a partial last chunk, an initial state (the per-chunk A's); packed: short
+    sequences on their 32-row tiles (settings.SHORT_TILE), one row, a chunk and one more, a
+    long one; and with fla's bounded gate, whose A's come from the row programs."""
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    if case == "batch":
+        inputs = _inputs(2, 2 * CHUNK_SIZE + 9, 1, 2, 48, 40, True, seed=141)
+        args, gate, cu, h0 = [inputs[n] for n in NAMES], None, None, inputs["initial_state"]
+        want = kda_forward_reference(*[x.cpu() for x in args], None, h0.cpu())
+        monkeypatch.setattr(settings, "INTRA_DIAG_INV_KERNEL", 1)
+        _check_fwd_bwd(args, h0, True, seed=142)  # the backward's recompute takes it too
+    else:
+        lengths = [1, 5, 30, 64, 65, 200, 17, 3] if case == "packed-short-tiles" else [0, 1, 16, 17, 65, 130, 3]
+        cpu, gate, cu, h0 = _row_block_problem("packed-training", lengths, seed=143, h0_seed=1)
+        want = _reference_fwd(*cpu, None, h0, gate, cu)
+        args = [x.to(DEVICE) for x in cpu]
+        gate = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+        cu = cu.to(DEVICE)
+        if case == "packed-short-tiles":
+            monkeypatch.setattr(settings, "INTRA_A_ROW_PROGRAMS", 0)  # the per-chunk A's take the tiles
+    wu, rows = [], []
+    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel",
+               lambda kw: wu.append((kw["DINV_IN"], kw.get("TILE", 0) or kw.get("PICK_TILE", 0))))
+    _on_launch(monkeypatch, fwd, "kda_intra_a_fwd_rows_kernel", lambda kw: rows.append(1))
+    results, views = [], []
+    for diag_inv in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_DIAG_INV_KERNEL", diag_inv)
+        checker = None
+        if diag_inv and DEVICE == "cpu":
+            checker = _bounds_checker(monkeypatch, args + [h0, cu] + [x for x in (gate or ()) if isinstance(x, torch.Tensor)])
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0, True, gate=gate, cu_seqlens=cu)
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+        results.append((o, ht, cs))
+        views.append(_intermediates_views(kept, _layout(args[0], args[2], cu)[0]))
+    assert {d for d, _ in wu} == {False, True}, wu
+    if case == "packed-short-tiles":
+        assert any(d and tile for d, tile in wu), wu  # short chunks on their tiles, from the launch's inverses
+    assert bool(rows) == (case == "packed-row-programs"), rows
+    # fp32: the same substitution, its sums in another order
+    _variant_matches(views, results, want, ("tm", "w", "u"), rtol=1e-5, atol=1e-6)

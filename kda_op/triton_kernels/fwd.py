@@ -21,6 +21,7 @@ from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _gate_args, _gat
                     _intermediates_views, _kernel, _layout, _pow2, _range, _sizes, _steep_dot_precision,
                     _zero_alignment_gaps)
 from .decode import kda_recurrent_fwd_triton
+from .diag_inv import kda_diag_inv_kernel
 from .gam_fwd import kda_gam_fwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
 from .intra_a_fwd_rows import kda_intra_a_fwd_rows_kernel
@@ -146,10 +147,18 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs,
             BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
         )
+    # the diagonal blocks' inverses in programs of their own (settings.INTRA_DIAG_INV_KERNEL)
+    diag_inv = bool(S.INTRA_DIAG_INV_KERNEL)
+    dinv = torch.empty(B, T, HV, BC, **f32) if diag_inv else akk  # akk: a stand-in, never read
+    if diag_inv:
+        _kernel(kda_diag_inv_kernel, traced)[(BT // BC, NC, B * HV)](
+            akk, beta, dinv, *s["VL_CHUNK"], T, NC, H=s["H"], HV=HV, BT=BT, BC=BC, IS_VARLEN=s["IS_VARLEN"],
+            num_warps=S.DIAG_INV_WARPS,
+        )
     wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS
     for tiling in tilings:
         _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-            k, v, beta, gam, akk, w, u, tm, *s["VL_CHUNK"], T, NC,
+            k, v, beta, gam, akk, dinv, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=diag_inv,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],

@@ -17,7 +17,7 @@ from ._indexing import chunk_coords, chunk_in_sequence, gam_row, left_to_the_oth
 
 @triton.jit
 def kda_intra_wu_fwd_kernel(
-    k, v, beta, gam, akk,
+    k, v, beta, gam, akk, dinv,
     w, u, tm,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
@@ -27,13 +27,15 @@ def kda_intra_wu_fwd_kernel(
     STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
-    PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True,
+    PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True, DINV_IN: tl.constexpr = False,
 ):
     # TILE / SKIP_TILED / PICK_TILE: as in intra_a_fwd.py (the chunks of at most TILE
     # rows on [TILE, TILE] tiles, in a launch of their own or, PICK_TILE, in this one);
     # Tm's columns past the tile are stored as zeros.
     # W_FIRST = False (a forward that keeps nothing, no initial state): no W for a
     # sequence's first chunk, which the scan does not read (U' = U there).
+    # DINV_IN (settings.INTRA_DIAG_INV_KERNEL): the inverses of the diagonal blocks from
+    # diag_inv.py (``dinv`` [B, T, HV, BC]) instead of this kernel's forward substitution.
     # BF16_DOTS (bf16 inputs): W and U from Tm and their right-hand sides rounded to
     # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
     i_c = tl.program_id(0)
@@ -55,18 +57,19 @@ def kda_intra_wu_fwd_kernel(
     gam += (bos * HV + i_hv) * K
     akk += (bos * HV + i_hv) * BT
     tm += (bos * HV + i_hv) * BT
+    dinv += (bos * HV + i_hv) * BC
     store_w = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | W_FIRST
     if PICK_TILE > 0:
         if T <= PICK_TILE:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, PICK_TILE,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN)
         else:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, BT,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN)
     else:
         R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
         _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, R,
-                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET)
+                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN)
 
 
 @triton.jit
@@ -74,7 +77,7 @@ def _wu_chunk(
     k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     R: tl.constexpr, STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
-    BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr,
+    BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr, dinv, DINV_IN: tl.constexpr,
 ):
     """One chunk's Tm, W and U on [R, R] tiles (R = BT, or a short chunk's tile);
     the pointers are at the chunk's first row and this head, T its rows; W stored
@@ -96,25 +99,32 @@ def _wu_chunk(
     b_m = b_beta[:, None] * b_a
     NB: tl.constexpr = R // BC
     tl.static_assert(NB == 4 or NB == 2, "(I + P)^-1 = (I - P)(I + P^2) needs 4 sub-blocks (I - P: 2)")
-    o_b = tl.arange(0, NB)
-    same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
-    b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
-    b_x = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    for i in range(1, BC):
-        row = (o_c == i)
-        if TM_ROW_LOADS:
-            # row i of every block loaded again (A_kk was just read: cache hits)
-            # rather than cut out of b_d by a cross-warp reduction
-            t_i = o_b * BC + i
-            m_i = t_i < T
-            b_bi = tl.load(beta + t_i * HV, mask=m_i, other=0.0).to(tl.float32)
-            b_di = b_bi[:, None] * tl.load(akk + t_i[:, None] * (HV * BT) + (o_b * BC)[:, None] + o_c[None, :],
-                                           mask=m_i[:, None] & (o_c[None, :] < i), other=0.0)
-        else:
-            b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
-        b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
-        b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
-    b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
+    if DINV_IN:
+        # the diagonal blocks' inverses from diag_inv.py; rows past T: rows of I
+        same = (o_r[:, None] // BC) == (o_r[None, :] // BC)
+        b_dinv = tl.load(dinv + o_t[:, None] * (HV * BC) + (o_r % BC)[None, :], mask=m_t[:, None] & same,
+                         other=0.0)
+        b_dinv = tl.where(~m_t[:, None] & (o_t[:, None] == o_r[None, :]), 1.0, b_dinv)
+    else:
+        o_b = tl.arange(0, NB)
+        same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
+        b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
+        b_x = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+        for i in range(1, BC):
+            row = (o_c == i)
+            if TM_ROW_LOADS:
+                # row i of every block loaded again (A_kk was just read: cache hits)
+                # rather than cut out of b_d by a cross-warp reduction
+                t_i = o_b * BC + i
+                m_i = t_i < T
+                b_bi = tl.load(beta + t_i * HV, mask=m_i, other=0.0).to(tl.float32)
+                b_di = b_bi[:, None] * tl.load(akk + t_i[:, None] * (HV * BT) + (o_b * BC)[:, None] + o_c[None, :],
+                                               mask=m_i[:, None] & (o_c[None, :] < i), other=0.0)
+            else:
+                b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
+            b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
+            b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
+        b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
     b_n = tl.where(o_r[:, None] // BC > o_r[None, :] // BC, b_m, 0.0)
     b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
     b_p = tl.dot(b_dinv, b_n, input_precision=DOT_PREC)

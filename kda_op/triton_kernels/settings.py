@@ -39,6 +39,15 @@ INTRA_BWD_A_WARPS = 4
 # warps): intra_wu_fwd 0.229 -> 0.190 ms, forward 0.999 -> 0.958 ms, outputs
 # bitwise the same (bench_kernels.py, 2026-11-30).
 TM_ROW_LOADS = 1
+# The inverses of the diagonal blocks of I + diag(beta) A_kk in a launch of their own
+# (diag_inv.py: one single-warp program per 16-row block, DIAG_INV_WARPS), which
+# intra_wu_fwd.py merges into Tm with dots instead of running the substitution for the
+# four blocks in each chunk's program. fla splits its solve so (a program per diagonal
+# block, then the merge). The same substitution in the row programs of the forward A's
+# (four warps) cost them 0.49 ms at B2-T8192-H8-HV32 for 0.13 off intra_wu_fwd (twenty-first
+# session). Built 2026-12-03, off, untimed.
+INTRA_DIAG_INV_KERNEL = 0
+DIAG_INV_WARPS = 1
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
