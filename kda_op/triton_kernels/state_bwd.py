@@ -238,7 +238,7 @@ def kda_state_bwd_fused_kernel(
       dS0 = exp(Gam) dS_C + Qg^T dO - W^T dU'.
     Each chunk reads only the inputs of its own dots and writes what it forms, nothing
     it read (no slot shared with the prep kernel, so no barrier), in the order of
-    the forward scan's loop, which Triton's pipeliner prefetches. BF16_DOTS (bf16 Qg,
+    the forward scan's loop. BF16_DOTS (bf16 Qg,
     Kr, W, A_qk and dO): dS_C and dU' enter their dots rounded to bf16, as fla's dh
     kernel does; dS is carried in fp32. COMPACT: as kda_state_bwd_kernel (dS_C of a
     sequence's chunk c in its slot c; the last chunk's, zero, not stored)."""
