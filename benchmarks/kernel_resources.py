@@ -57,8 +57,17 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
     missing = [p for p in params if p not in merged]
     if missing:
         raise ValueError(f"{fn.__name__}: no type or value for {missing}")
-    return triton.compile(ASTSource(fn=fn, signature={p: merged[p] for p in params}, constexprs=constexprs),
-                          target=TARGET, options=options)
+    # Every pointer 16-byte aligned, as Triton's launcher specializes CUDA tensors that
+    # are (torch's allocations; the kept intermediates' views start on 256 bytes):
+    # without the hint the compiler proves no alignment and loads element by element.
+    # Integers get no hint (the launcher adds one where a value is a multiple of 16).
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if str(merged[p]).startswith("*")} if ALIGNED_POINTERS else {}
+    return triton.compile(ASTSource(fn=fn, signature={p: merged[p] for p in params}, constexprs=constexprs,
+                                    attrs=attrs), target=TARGET, options=options)
+
+
+ALIGNED_POINTERS = True
 
 
 # SASS opcodes worth counting: tensor-core, FP32, special-function, global, shared
@@ -194,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
          S.INTRA_A_FWD_WARPS, 3),
         (intra_a_fwd_rows.kda_intra_a_fwd_rows_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT,
+              FAST_EXP=bool(S.FAST_EXP)),
          S.INTRA_A_ROWS_WARPS, S.INTRA_A_ROWS_STAGES),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
@@ -207,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
         # launches it, then as one that keeps nothing
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,
            dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, dinv=f32, w=op, u=res, tm=f32, **ints),
-           dict(common, **varlen, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
+           dict(common, **varlen, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=keep, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS, FAST_EXP=bool(S.FAST_EXP),
                 DINV_IN=bool(S.INTRA_DIAG_INV_KERNEL),
                 BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
            S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
@@ -241,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, ds_offsets="*i64", scale="fp32",
               **ints),
-         dict(common, **varlen, BKS=S.BKS_W, BV=s["BV"], DOT_PREC=prec,
+         dict(common, **varlen, BKS=S.BKS_W, BV=s["BV"], DOT_PREC=prec, FAST_EXP=bool(S.FAST_EXP),
               BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and args.dtype == "bf16" and cs == "*bf16",
               BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and res == "*bf16" and dsc == "*bf16"), S.INTRA_BWD_W_WARPS, 1),
         (intra_bwd.kda_intra_bwd_kernel,
@@ -263,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         # the backward through the A's by row blocks, then dg (settings.INTRA_BWD_A_ROW_PROGRAMS)
         (intra_bwd_a_rows.kda_intra_bwd_a_rows_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dq=f32, dk=f32, dgam=f32, scale="fp32", **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, DOT_PREC=prec), S.INTRA_BWD_A_ROWS_WARPS, 3),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, DOT_PREC=prec, FAST_EXP=bool(S.FAST_EXP)),
+         S.INTRA_BWD_A_ROWS_WARPS, 3),
         (intra_bwd_a_rows.kda_dg_of_chunk_kernel,
          dict(**vl_chunk, dgam=f32, dgam_last=f32, dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, **ints),
          dict(**varlen, K=K, BT=BT, BKD=S.DG_OF_CHUNK_BK, **gate), S.DG_OF_CHUNK_WARPS, 3),

@@ -1530,3 +1530,67 @@ def test_diagonal_inverses_in_their_own_launch_match_the_substitution(case, monk
     assert bool(rows) == (case == "packed-row-programs"), rows
     # fp32: the same substitution, its sums in another order
     _variant_matches(views, results, want, ("tm", "w", "u"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="_math.exp's inline PTX runs on CUDA only (the interpreter takes tl.exp)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_exp_matches_tl_exp(dtype, monkeypatch):
+    """settings.FAST_EXP (_math.exp: ex2.approx.ftz, subnormals flushed, in the forward's
+    row programs and W/U and the backward's row programs and pass through W): every
+    output, kept intermediate and grad within fp32 rounding of tl.exp's, and within the
+    fp64 reference's tolerance; each of the four kernels told so. fla's bounded gate at
+    lower_bound -5 on packed sequences (empty, one row, a block and one more, long) with
+    initial states, so that the row programs serve."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import bwd, fwd, settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    cpu, gate, cu, h0 = _row_block_problem("packed-with-states", [0, 1, 17, 64, 200, 130], seed=151, h0_seed=5)
+    # q, k, v, beta and dO in ``dtype`` (g, fla's raw gate, stays fp32); the reference
+    # takes the same rounded values
+    cpu = [x if i == 3 else x.to(dtype).float() for i, x in enumerate(cpu)]
+    want_fwd = _reference_fwd(*cpu, None, h0, gate, cu)
+    gen = torch.Generator().manual_seed(152)
+    do = torch.randn(want_fwd[0].shape, generator=gen).to(dtype).float()
+    dht = torch.randn(want_fwd[1].shape, generator=gen)
+    want = _reference_bwd(*cpu, None, h0, want_fwd[2], do, dht, gate, cu)
+    args = [x.to(DEVICE) if i == 3 else x.to(DEVICE, dtype) for i, x in enumerate(cpu)]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d, do_d, dht_d = (x.to(DEVICE) for x in (cu, h0, do.to(dtype), dht))
+
+    def rel_err(a, b):
+        a, b = a.double().cpu(), b.double().cpu()
+        return ((a - b).norm() / b.norm()).item()
+    seen = {}
+    for module, name in ((fwd, "kda_intra_a_fwd_rows_kernel"), (fwd, "kda_intra_wu_fwd_kernel"),
+                         (bwd, "kda_intra_bwd_a_rows_kernel"), (bwd, "kda_intra_bwd_w_kernel")):
+        _on_launch(monkeypatch, module, name, lambda kw, name=name: seen.setdefault(name, []).append(kw["FAST_EXP"]))
+    results, views = [], []
+    for fast in (0, 1):
+        monkeypatch.setattr(settings, "FAST_EXP", fast)
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d)
+        views.append(_intermediates_views(kept, _layout(args[0], args[2], cu_d)[0]))
+        grads = kda_bwd_triton(*args, None, h0_d, cs, do_d, dht_d, kept, gate=gate_d, cu_seqlens=cu_d)
+        results.append((o, ht, cs, *grads))
+    # the forward's recompute in the backward does not run (kept intermediates): one launch each
+    assert seen == {n: [False, True] for n in seen} and len(seen) == 4, seen
+    for name in ("akk", "aqk", "qg", "kr", "w", "u", "tm"):
+        a, b = views[0][name].float().cpu(), views[1][name].float().cpu()
+        assert b.abs().max() > 0.1, name
+        # the same 2^x unit; the two differ only where a result or an input is below 2^-126
+        torch.testing.assert_close(b, a, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+    names = ("o", "ht", "chunk states", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    for name, a, b in zip(names, *results):
+        if a is None or not a.numel():
+            continue
+        # bf16: outputs and grads rounded to bf16, where one ulp may flip with the last bit of an exp
+        torch.testing.assert_close(b.float().cpu(), a.float().cpu(), rtol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   atol=1e-5, msg=lambda m: f"{name}: {m}")
+    for name, b, ref in zip(("o", "ht"), results[1], want_fwd):
+        assert rel_err(b, ref) < (1e-4 if dtype == torch.float32 else 1e-2), name
+    for name, b, ref in zip(names[3:], results[1][3:], want):
+        if ref.numel():
+            # bf16: grads rounded to bf16, the dots' operands in TF32 or bf16 (as test_cuda's)
+            assert rel_err(b, ref) < (1e-4 if dtype == torch.float32 else 2e-2), name

@@ -58,6 +58,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
     return "tf32x3" if dtype == torch.float32 else "tf32"
 
 
+def _fast_exp() -> bool:
+    """The FAST_EXP constexpr of the kernels that take it (_math.exp): settings.FAST_EXP,
+    never under the interpreter, which cannot run inline PTX."""
+    return bool(S.FAST_EXP) and not _INTERPRET
+
+
 def _steep_dot_precision(dtype: torch.dtype) -> str:
     return S.STEEP_DOT_PREC_FP32 if dtype == torch.float32 else _dot_precision(dtype)
 

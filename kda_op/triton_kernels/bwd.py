@@ -15,8 +15,8 @@ from torch import Tensor
 
 from .._contract import residual_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _cdiv, _dot_precision, _gate_args, _gate_bounds_every_block, _intermediates_views,
-                    _layout, _pow2, _range, _sizes, _steep_dot_precision)
+from ._host import (_INTERPRET, _cdiv, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
+                    _intermediates_views, _layout, _pow2, _range, _sizes, _steep_dot_precision)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
@@ -156,7 +156,7 @@ def kda_bwd_triton(
             BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and do.dtype == torch.bfloat16
             and chunk_states.dtype == torch.bfloat16, INTERPRET=_INTERPRET,
             BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and up.dtype == torch.bfloat16
-            and dchunk_states.dtype == torch.bfloat16,
+            and dchunk_states.dtype == torch.bfloat16, FAST_EXP=_fast_exp(),
         )
     del dchunk_states
     dakk = torch.empty(B, T, HV, BT, **f32)
@@ -191,7 +191,7 @@ def kda_bwd_triton(
             kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * HV)](
                 q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *s["VL_CHUNK"], scale, T, NC,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
-                num_warps=S.INTRA_BWD_A_ROWS_WARPS,
+                FAST_EXP=_fast_exp(), num_warps=S.INTRA_BWD_A_ROWS_WARPS,
                 **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),
             )
             kda_dg_of_chunk_kernel[(_cdiv(K, S.DG_OF_CHUNK_BK), NC, B * HV)](

@@ -17,7 +17,7 @@ from torch import Tensor
 from ..reference import L2NORM_EPS
 from .._contract import aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _gate_args, _gate_bounds_every_block,
+from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
                     _intermediates_views, _kernel, _layout, _pow2, _range, _sizes, _steep_dot_precision,
                     _zero_alignment_gaps)
 from .decode import kda_recurrent_fwd_triton
@@ -128,7 +128,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         _kernel(kda_intra_a_fwd_rows_kernel, traced)[(BT // BC, NC, B * HV)](
             q, k, gam, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BC=BC,
             BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-            QG_FIRST=qg_first, KR_LAST=kr_last, num_warps=S.INTRA_A_ROWS_WARPS, num_stages=S.INTRA_A_ROWS_STAGES,
+            QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(), num_warps=S.INTRA_A_ROWS_WARPS,
+            num_stages=S.INTRA_A_ROWS_STAGES,
             **(dict(maxnreg=S.INTRA_A_ROWS_MAXNREG) if S.INTRA_A_ROWS_MAXNREG else {}),
         )
     for tiling in (() if a_rows else tilings):
@@ -162,7 +163,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-            W_FIRST=w_first, **tiling, num_warps=wu_warps,
+            W_FIRST=w_first, FAST_EXP=_fast_exp(), **tiling, num_warps=wu_warps,
         )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 

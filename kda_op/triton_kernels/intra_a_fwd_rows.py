@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored
+from ._math import exp
 from ._indexing import chunk_coords, chunk_in_sequence, gam_row
 
 
@@ -42,9 +43,10 @@ def kda_intra_a_fwd_rows_kernel(
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True,
+    FAST_EXP: tl.constexpr = False,
 ):
     # QG_FIRST / KR_LAST: as in intra_a_fwd.py (no Qg in a sequence's first chunk, no Kr
-    # in its last, where nothing reads them).
+    # in its last, where nothing reads them). FAST_EXP: _math.exp without subnormals.
     # scale in fp32 whatever the caller's scalar type (inductor passes fp64)
     scale = tl.cast(scale, tl.float32)
     tl.static_assert(BT == 4 * BC, "four row blocks a chunk")
@@ -85,19 +87,19 @@ def kda_intra_a_fwd_rows_kernel(
             spread = tl.maximum(spread, tl.max(tl.maximum(b_first - b_mid, b_mid - b_last), 0))
         tl.store(steep + g_c * HV + i_hv, tl.where(spread <= MAX_SPLIT, 0, 1).to(tl.int32))
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BC,
-              DOT_PREC, INTERPRET)
+              DOT_PREC, INTERPRET, FAST_EXP)
     elif i_blk == 1:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, 2 * BC,
-              DOT_PREC, INTERPRET)
+              DOT_PREC, INTERPRET, FAST_EXP)
     else:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BT,
-              DOT_PREC, INTERPRET)
+              DOT_PREC, INTERPRET, FAST_EXP)
 
 
 @triton.jit
 def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV,
           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr, CW: tl.constexpr,
-          DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr):
+          DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr):
     """Block ``i_blk``'s rows of the A's on [BC, CW] tiles (CW >= the block's end),
     the columns from CW stored as zeros, and its rows of Qg and Kr. The pointers are
     at the chunk's first row and this head; T the rows from there to the sequence's end."""
@@ -118,16 +120,16 @@ def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, H
         b_qi = tl.load(q + o_i[:, None] * (H * K) + o_k[None, :], mask=m_ik, other=0.0).to(tl.float32) * scale
         b_ki = tl.load(k + o_i[:, None] * (H * K) + o_k[None, :], mask=m_ik, other=0.0).to(tl.float32)
         if store_qg:
-            tl.store(qg + p_ik, as_stored(b_qi * tl.exp(b_gi), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_ik)
+            tl.store(qg + p_ik, as_stored(b_qi * exp(b_gi, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_ik)
         if store_kr:
             b_gl = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
-            tl.store(kr + p_ik, as_stored(b_ki * tl.exp(b_gl[None, :] - b_gi), kr,
+            tl.store(kr + p_ik, as_stored(b_ki * exp(b_gl[None, :] - b_gi, FAST_EXP), kr,
                                           INTERPRET).to(kr.dtype.element_ty), mask=m_ik)
-        b_ei = tl.exp(b_gi - b_gm[None, :])
+        b_ei = exp(b_gi - b_gm[None, :], FAST_EXP)
         b_kj = tl.load(k + o_j[:, None] * (H * K) + o_k[None, :], mask=m_j[:, None] & m_k[None, :],
                        other=0.0).to(tl.float32)
         b_gj = tl.load(gam + gam_row(o_j, T)[:, None] * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-        b_kc = tl.trans(b_kj * tl.exp(tl.where(upto[:, None], b_gm[None, :] - b_gj, float("-inf"))))
+        b_kc = tl.trans(b_kj * exp(tl.where(upto[:, None], b_gm[None, :] - b_gj, float("-inf")), FAST_EXP))
         b_akk += tl.dot(b_ki * b_ei, b_kc, input_precision=DOT_PREC)
         b_aqk += tl.dot(b_qi * b_ei, b_kc, input_precision=DOT_PREC)
     p_a = o_i[:, None] * (HV * BT) + o_j[None, :]

@@ -33,6 +33,7 @@ import triton.language as tl
 
 from ._gate import gate_params
 from ._indexing import chunk_coords, gam_row
+from ._math import exp
 from .intra_bwd_a import _dg_of_chunk
 
 
@@ -44,8 +45,9 @@ def kda_intra_bwd_a_rows_kernel(
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
-    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
 ):
+    # FAST_EXP: _math.exp without subnormals.
     # The K slice varies fastest, then the row block (both on the grid's first axis, so
     # the chunks keep the second, limited to 65535 as elsewhere): the programs of one
     # chunk run side by side and share their loads of Q, K, gam and dA through L2.
@@ -91,20 +93,20 @@ def kda_intra_bwd_a_rows_kernel(
     p_rows = (o_i[:, None]) * (HV * BT) + o_r[None, :]
     b_dqk_i = tl.load(daqk + p_rows, mask=m_i[:, None], other=0.0)
     b_dkk_i = tl.load(dakk + p_rows, mask=m_i[:, None], other=0.0)
-    b_kc = b_k * tl.exp(tl.where((o_r < (i_blk + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")))
-    b_eri = tl.exp(b_gi - b_gm[None, :])
+    b_kc = b_k * exp(tl.where((o_r < (i_blk + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")), FAST_EXP)
+    b_eri = exp(b_gi - b_gm[None, :], FAST_EXP)
     b_tq = b_eri * tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
     b_tk = b_eri * tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
 
     # the block's columns: rows from its start (before it dA is zero, and the factor,
     # which could overflow there, is dropped)
     from_blk = (o_r >= i_blk * BC)[:, None]
-    b_er = tl.exp(tl.where(from_blk, b_g - b_gm[None, :], float("-inf")))
+    b_er = exp(tl.where(from_blk, b_g - b_gm[None, :], float("-inf")), FAST_EXP)
     p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
     m_cols = m_t[:, None] & from_blk
     b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
     b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
-    b_tkj = tl.exp(b_gm[None, :] - b_gi) * (tl.dot(tl.trans(b_dqk_j), b_q * b_er, input_precision=DOT_PREC)
+    b_tkj = exp(b_gm[None, :] - b_gi, FAST_EXP) * (tl.dot(tl.trans(b_dqk_j), b_q * b_er, input_precision=DOT_PREC)
                                             + tl.dot(tl.trans(b_dkk_j), b_k * b_er, input_precision=DOT_PREC))
 
     row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from ._dot import dot_bf16
+from ._math import exp
 from ._indexing import chunk_coords, chunk_in_sequence, gam_row
 
 
@@ -33,8 +34,9 @@ def kda_intra_bwd_w_kernel(
     DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr = False, HAS_H0: tl.constexpr = True, HAS_DHT: tl.constexpr = True,
     COMPACT: tl.constexpr = False, BF16_DQG: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    BF16_DKR: tl.constexpr = False,
+    BF16_DKR: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
 ):
+    # FAST_EXP: _math.exp without subnormals.
     # BF16_DQG (settings.INTRA_BWD_W_BF16_DQG): dO and the chunk states both hold bf16
     # (bf16 inputs and chunk states): dO S0^T on bf16 operands, the same products as
     # at TF32 (bf16 values are exact in both), accumulated in fp32. BF16_DKR
@@ -127,9 +129,9 @@ def kda_intra_bwd_w_kernel(
         b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
         b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
         b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_s, mask=m_s, other=0.0)
-        b_eg = tl.exp(b_gam)
+        b_eg = exp(b_gam, FAST_EXP)
         b_kg = b_k * b_eg
-        b_rf = tl.exp(b_glast[None, :] - b_gam)
+        b_rf = exp(b_glast[None, :] - b_gam, FAST_EXP)
         b_kr = b_k * b_rf
 
         # O = Qg S0 + ...; S_C = exp(Gam) S0 + Kr^T U'

@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
+from ._math import exp
 from ._indexing import chunk_coords, chunk_in_sequence, gam_row, left_to_the_other_launch
 
 
@@ -28,7 +29,9 @@ def kda_intra_wu_fwd_kernel(
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
     PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True, DINV_IN: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False,
 ):
+    # FAST_EXP: _math.exp without subnormals.
     # TILE / SKIP_TILED / PICK_TILE: as in intra_a_fwd.py (the chunks of at most TILE
     # rows on [TILE, TILE] tiles, in a launch of their own or, PICK_TILE, in this one);
     # Tm's columns past the tile are stored as zeros.
@@ -62,14 +65,14 @@ def kda_intra_wu_fwd_kernel(
     if PICK_TILE > 0:
         if T <= PICK_TILE:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, PICK_TILE,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP)
         else:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, BT,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP)
     else:
         R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
         _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, R,
-                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN)
+                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP)
 
 
 @triton.jit
@@ -77,7 +80,7 @@ def _wu_chunk(
     k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV,
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     R: tl.constexpr, STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
-    BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr, dinv, DINV_IN: tl.constexpr,
+    BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr, dinv, DINV_IN: tl.constexpr, FAST_EXP: tl.constexpr,
 ):
     """One chunk's Tm, W and U on [R, R] tiles (R = BT, or a short chunk's tile);
     the pointers are at the chunk's first row and this head, T its rows; W stored
@@ -154,7 +157,7 @@ def _wu_chunk(
         # gam is reloaded rather than kept live through the inverse (register pressure).
         b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :],
                         mask=m_sw[:, None] & m_k[None, :], other=0.0)
-        b_w = dot(b_tm, b_beta[:, None] * b_k * tl.exp(b_gam), BF16_DOTS, DOT_PREC, INTERPRET)
+        b_w = dot(b_tm, b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
                  mask=(m_t & m_sw)[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):

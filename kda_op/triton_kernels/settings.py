@@ -235,6 +235,11 @@ INTRA_A_ROW_PROGRAMS = 1
 # choice). sm_90a (bf16, K = 128, Triton 3.6): K slices of 16 at four warps, three
 # stages: 128 registers, no spills, 15 KB shared (four CTAs an SM); of 32: 252
 # registers (one stage: 255 and spills; a cap of 128: 192 B spilled).
+# exp by the 2^x unit with subnormals flushed (_math.exp: MUFU.EX2 alone, where
+# tl.exp's subnormal fix-ups cost three more instructions an exp) in the intra-chunk
+# kernels of fla's bounded gate: the forward's row programs and W/U, the backward's
+# row programs and its pass through W. Never under the interpreter (inline PTX).
+FAST_EXP = 1
 INTRA_A_ROWS_BK = 16
 INTRA_A_ROWS_WARPS = 4
 INTRA_A_ROWS_STAGES = 3
