@@ -178,7 +178,7 @@ def kda_bwd_triton(
     with _range("kda_op::bwd::intra_through_a"):
         common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, STEEP_DOT_PREC=_steep_dot_precision(q.dtype),
                       MAX_SPLIT=MAX_SPLIT, BLOCK_REFS=bool(S.STEEP_BLOCK_REFS),
-                      ROW_BLOCK_DOTS=bool(S.INTRA_BWD_A_ROW_BLOCK_DOTS))
+                      ROW_BLOCK_DOTS=bool(S.INTRA_BWD_A_ROW_BLOCK_DOTS), FAST_EXP=_fast_exp())
         ga = _gate_args(gate, g)
         # the gate's partial sums over each chunk's rows (written where GATE)
         gate_parts = torch.empty(2, B, NC, HV, K, **f32) if gate is not None else None

@@ -34,14 +34,15 @@ import triton.language as tl
 
 from ._dot import as_stored
 from ._indexing import chunk_coords, chunk_in_sequence, gam_row, left_to_the_other_launch
+from ._math import exp
 
 
 @triton.jit
-def _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC: tl.constexpr):
+def _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC: tl.constexpr, FAST_EXP: tl.constexpr):
     """One K slice's share of both A's, split at the middle row:
     A[i, j] += sum_k X_ik exp(dmid_ik) * K_jk exp(-dmid_jk), X = K or Q * scale."""
-    b_ep = tl.exp(b_dmid)
-    b_kn = tl.trans(b_k * tl.exp(-b_dmid))
+    b_ep = exp(b_dmid, FAST_EXP)
+    b_kn = tl.trans(b_k * exp(-b_dmid, FAST_EXP))
     b_akk += tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
     b_aqk += tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
     return b_akk, b_aqk
@@ -49,7 +50,8 @@ def _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC: tl.constexpr):
 
 @triton.jit
 def _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV,
-                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
+                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
+                      FAST_EXP: tl.constexpr):
     """One K slice's share of both A's with the middle row m of each BC-row block as
     the reference of its rows: A[i, j] += sum_k X_ik exp(gam_ik - gam_mk) *
     K_jk exp(gam_mk - gam_jk), X = K or Q * scale, for the columns j up to the end of
@@ -60,15 +62,15 @@ def _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV,
     o_r = tl.arange(0, BT)
     b_gmb = tl.load(gam + gam_row((o_r // BC) * BC + BC // 2, T)[:, None] * (HV * K) + o_k[None, :],
                     mask=m_k[None, :], other=0.0)
-    b_er = tl.exp(b_gam - b_gmb)
+    b_er = exp(b_gam - b_gmb, FAST_EXP)
     b_kl = b_k * b_er
     b_ql = b_q * b_er
     for i_i in tl.static_range(BT // BC):
         if i_i * BC < T:
             rows = (o_r // BC == i_i)[:, None]
             b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)
-            b_kc = tl.trans(b_k * tl.exp(tl.where((o_r < (i_i + 1) * BC)[:, None], b_gm[None, :] - b_gam,
-                                                  float("-inf"))))
+            b_kc = tl.trans(b_k * exp(tl.where((o_r < (i_i + 1) * BC)[:, None], b_gm[None, :] - b_gam,
+                                               float("-inf")), FAST_EXP))
             b_akk += tl.dot(tl.where(rows, b_kl, 0.0), b_kc, input_precision=DOT_PREC)
             b_aqk += tl.dot(tl.where(rows, b_ql, 0.0), b_kc, input_precision=DOT_PREC)
     return b_akk, b_aqk
@@ -87,7 +89,9 @@ def kda_intra_a_fwd_kernel(
     BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16, ROW_SPREADS: tl.constexpr = False,
     BKR: tl.constexpr = 64, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
     PICK_TILE: tl.constexpr = 0, QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True,
+    FAST_EXP: tl.constexpr = False,
 ):
+    # FAST_EXP: _math.exp without subnormals.
     # TILE (packed sequences, with GAM_IN): a launch for the chunks of at most TILE rows
     # (half a chunk), on [TILE, TILE] tiles instead of [BT, BT]; its programs return at
     # once for longer chunks, and the launch at BT skips the chunks of at most
@@ -153,16 +157,16 @@ def kda_intra_a_fwd_kernel(
         if T <= PICK_TILE:
             _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
                      K, BT, PICK_TILE, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
-                     ROW_SPREADS, BKR)
+                     ROW_SPREADS, BKR, FAST_EXP)
         else:
             _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
                      K, BT, BT, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
-                     ROW_SPREADS, BKR)
+                     ROW_SPREADS, BKR, FAST_EXP)
     else:
         R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
         _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
                  K, BT, R, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
-                 ROW_SPREADS, BKR)
+                 ROW_SPREADS, BKR, FAST_EXP)
 
 
 @triton.jit
@@ -172,6 +176,7 @@ def _a_chunk(
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr,
     GAM_IN: tl.constexpr, INTERPRET: tl.constexpr, NKB: tl.constexpr,
     BLOCK_REFS: tl.constexpr, BC: tl.constexpr, ROW_SPREADS: tl.constexpr, BKR: tl.constexpr,
+    FAST_EXP: tl.constexpr,
 ):
     """One chunk's gam (without GAM_IN), A's, steep flag, Qg and Kr on [R, R] tiles
     (R = BT, or a short chunk's tile). The pointers are at the chunk's first row and
@@ -250,18 +255,18 @@ def _a_chunk(
         b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
         b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
         if store_qg:
-            tl.store(qg + p_tk, as_stored(b_q * tl.exp(b_gam), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
+            tl.store(qg + p_tk, as_stored(b_q * exp(b_gam, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
         if store_kr:
-            tl.store(kr + p_tk, as_stored(b_k * tl.exp(b_glast[None, :] - b_gam), kr,
+            tl.store(kr + p_tk, as_stored(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), kr,
                                           INTERPRET).to(kr.dtype.element_ty), mask=m_tk)
         if GAM_IN:
             if mode == 0:
-                b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
+                b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
             elif mode == 1:
                 b_akk, b_aqk = _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV, K, R, BC,
-                                                 DOT_PREC)
+                                                 DOT_PREC, FAST_EXP)
         else:
-            b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC)
+            b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
     if not GAM_IN:
         if SPREAD_TILE:
             spread = tl.max(tl.max(b_spread, 1), 0)

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ._gate import gate_bwd, gate_params
 from ._indexing import chunk_coords, gam_row
+from ._math import exp
 
 
 @triton.jit
@@ -74,7 +75,7 @@ def kda_intra_bwd_a_kernel(
     GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False, HAS_BIAS: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False,
     ONE_LAUNCH: tl.constexpr = False, STEEP_DOT_PREC: tl.constexpr = "ieee",
-    ROW_BLOCK_DOTS: tl.constexpr = False,
+    ROW_BLOCK_DOTS: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
 ):
     """STEEP = False: the chunks the forward split at their middle row (the others
     return at once); STEEP = True: the steep ones, with sub-blocks. BLOCK_REFS
@@ -85,7 +86,8 @@ def kda_intra_bwd_a_kernel(
     both kinds of chunk in one launch, each program on its chunk's path (no program
     only reads its flag and returns). The steep path's dots run at STEEP_DOT_PREC.
     ROW_BLOCK_DOTS (settings.INTRA_BWD_A_ROW_BLOCK_DOTS): the block references' dots
-    on each block's own rows of dA, not on all of them with the others zeroed."""
+    on each block's own rows of dA, not on all of them with the others zeroed. FAST_EXP:
+    _math.exp without subnormals in the split chunks (the steep path keeps tl.exp)."""
     # The K slice varies fastest over the grid: the slices of one chunk run side by
     # side and share their loads of dA_kk, dA_qk through L2.
     i_s = tl.program_id(0)
@@ -126,7 +128,7 @@ def kda_intra_bwd_a_kernel(
     if ONE_LAUNCH:
         if flag == 0:
             _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
-                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE)
+                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP)
         else:
             _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
@@ -134,7 +136,7 @@ def kda_intra_bwd_a_kernel(
     elif not STEEP:
         if flag == 0:
             _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
-                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE)
+                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP)
     else:
         if flag != 0:
             _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
@@ -145,7 +147,8 @@ def kda_intra_bwd_a_kernel(
 @triton.jit
 def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
                      o_s, m_s, b_ga, b_gbias, lower_bound,
-                     K: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, GATE: tl.constexpr):
+                     K: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, GATE: tl.constexpr,
+                     FAST_EXP: tl.constexpr):
     """A chunk the forward split at its middle row (steep flag 0), one K slice."""
     # Split at the middle row m as the forward did: every factor lies within
     # exp(+-MAX_SPLIT); dA_kk and dA_qk are zero above their diagonals, so no
@@ -162,8 +165,8 @@ def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_
     p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
     b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
     b_dkk = tl.load(dakk + p_a, mask=m_t[:, None], other=0.0)
-    b_ep = tl.exp(b_dmid)
-    b_en = tl.exp(-b_dmid)
+    b_ep = exp(b_dmid, FAST_EXP)
+    b_en = exp(-b_dmid, FAST_EXP)
     b_kn = b_k * b_en
     b_tq = b_ep * tl.dot(b_dqk, b_kn, input_precision=DOT_PREC)
     b_tk = b_ep * tl.dot(b_dkk, b_kn, input_precision=DOT_PREC)
