@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         # the backward through the A's by row blocks, then dg (settings.INTRA_BWD_A_ROW_PROGRAMS)
         (intra_bwd_a_rows.kda_intra_bwd_a_rows_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dq=f32, dk=f32, dgam=f32, scale="fp32", **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, DOT_PREC=prec, FAST_EXP=bool(S.FAST_EXP)),
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, DOT_PREC=prec,
+              FAST_EXP=bool(S.FAST_EXP) and bool(S.INTRA_BWD_A_ROWS_FAST_EXP)),
          S.INTRA_BWD_A_ROWS_WARPS, 3),
         (intra_bwd_a_rows.kda_dg_of_chunk_kernel,
          dict(**vl_chunk, dgam=f32, dgam_last=f32, dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, **ints),

@@ -106,7 +106,8 @@ def test_cuda_trace_has_kernel_stages(tmp_path):
 def test_host_time_runs_the_cuda_host_code_with_stubbed_launches():
     """profiling/host_time.py (the host path alone, no GPU): the chunked kernels' host
     code runs on CPU tensors, every launch of the forward (prep, the varlen index, gate,
-    the A's, W/U, scan, unused state slots, output) and of the backward (the index again)
+    the A's, the diagonal blocks' inverses (settings.INTRA_DIAG_INV_KERNEL), W/U, scan,
+    unused state slots, output) and of the backward (the index again)
     stubbed, and it prints both times. fla's layer gate: the A's by row blocks both ways
     (settings.INTRA_A_ROW_PROGRAMS, INTRA_BWD_A_ROW_PROGRAMS), the backward's dg in a
     launch of its own; the backward's reverse scan forms its own A_qk^T dO and Qg^T dO
@@ -115,7 +116,7 @@ def test_host_time_runs_the_cuda_host_code_with_stubbed_launches():
                           capture_output=True, text=True, cwd=REPO, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.strip().splitlines()
-    assert lines[0].startswith("varlen-mixed-T8192 forward: ") and "8 Triton launches" in lines[0], lines
-    assert lines[1].startswith("varlen-mixed-T8192 forward_backward: ") and "16 Triton launches" in lines[1], lines
+    assert lines[0].startswith("varlen-mixed-T8192 forward: ") and "9 Triton launches" in lines[0], lines
+    assert lines[1].startswith("varlen-mixed-T8192 forward_backward: ") and "17 Triton launches" in lines[1], lines
     for line in lines:
         assert float(line.split(": ")[1].split(" ms")[0]) > 0

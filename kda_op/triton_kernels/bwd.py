@@ -191,7 +191,7 @@ def kda_bwd_triton(
             kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * HV)](
                 q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *s["VL_CHUNK"], scale, T, NC,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
-                FAST_EXP=_fast_exp(), num_warps=S.INTRA_BWD_A_ROWS_WARPS,
+                FAST_EXP=_fast_exp() and bool(S.INTRA_BWD_A_ROWS_FAST_EXP), num_warps=S.INTRA_BWD_A_ROWS_WARPS,
                 **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),
             )
             kda_dg_of_chunk_kernel[(_cdiv(K, S.DG_OF_CHUNK_BK), NC, B * HV)](

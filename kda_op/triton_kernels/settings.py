@@ -45,8 +45,11 @@ TM_ROW_LOADS = 1
 # four blocks in each chunk's program. fla splits its solve so (a program per diagonal
 # block, then the merge). The same substitution in the row programs of the forward A's
 # (four warps) cost them 0.49 ms at B2-T8192-H8-HV32 for 0.13 off intra_wu_fwd (twenty-first
-# session). Built 2026-12-03, off, untimed.
-INTRA_DIAG_INV_KERNEL = 0
+# session). On the H200 (2026-12-03, ours alone, layer-style, with INTRA_A_ROWS_WARPS = 2):
+# forward 1.651 -> 1.605 ms at B2-T8192-H8-HV32 (intra_wu_fwd 0.470 -> 0.347, the launch
+# 0.070), 0.577 -> 0.567 at B1-T8192-H16 (0.125 -> 0.095, 0.020); at two warps a block
+# the launch took 0.190 ms at B2.
+INTRA_DIAG_INV_KERNEL = 1
 DIAG_INV_WARPS = 1
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
@@ -184,10 +187,14 @@ INTRA_BWD_A_ROW_BLOCK_DOTS = 0
 # dg 0.307); MAXNREG=168 8.709, eight warps 11.793. Its CUDA tests passed (grads against
 # the per-chunk path and the reference; fla's layer against fla).
 INTRA_BWD_A_ROW_PROGRAMS = 1
-# ... its warps per program and a cap on its registers per thread (None: the
-# compiler's choice; sm_90a, bf16, K = 128, Triton 3.6: 192 at four warps, no spills).
+# ... its warps per program, a cap on its registers per thread (None: the compiler's
+# choice), and whether it takes FAST_EXP. sm_90a, bf16, K = 128, Triton 3.6, four warps:
+# 161 registers with tl.exp (three CTAs an SM), 174 with FAST_EXP (two: 65536 / (128 *
+# 176)); capped at 168 it keeps three, no spills, and FAST_EXP's instructions (1080
+# against 1184). (At 192 registers, before, a cap of 168 cost 0.06 ms a step.)
 INTRA_BWD_A_ROWS_WARPS = 4
-INTRA_BWD_A_ROWS_MAXNREG = None
+INTRA_BWD_A_ROWS_MAXNREG = 168
+INTRA_BWD_A_ROWS_FAST_EXP = 1
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
 # K slices and warps per program. H200 (2026-12-03, B2-T8192-H8-HV32 layer-style, ours
 # alone): 0.306 ms at 32 / four warps, 0.223 at 32 / two (forward+backward 8.549 ->
@@ -231,17 +238,26 @@ INTRA_A_BLOCK_REFS = 1
 # bf16, same process, with INTRA_BWD_A_ROW_PROGRAMS): forward 1.978 -> 1.937 ms
 # (kda_intra_a_fwd 0.760 -> rows 0.718); with K slices of 32: 2.028 (0.814).
 INTRA_A_ROW_PROGRAMS = 1
+# exp by the 2^x unit with subnormals flushed (_math.exp: MUFU.EX2 alone, where
+# tl.exp's subnormal fix-ups cost three more instructions an exp) in the intra-chunk
+# kernels: the forward's A's (row programs or per chunk) and W/U, the backward's A's
+# (row programs where INTRA_BWD_A_ROWS_FAST_EXP too, or the split chunks per chunk) and
+# its pass through W; the steep paths keep tl.exp. Never under the interpreter (inline
+# PTX). On the H200 (2026-12-03, ours alone, B2-T8192-H8-HV32 layer-style): forward 1.862
+# -> 1.829 ms (intra_wu_fwd 0.516 -> 0.470), intra_bwd_w 1.872 -> 1.807; but
+# kda_intra_bwd_a_rows 1.990 -> 2.688: its registers went 161 -> 174 at four warps, two
+# CTAs an SM instead of three (see INTRA_BWD_A_ROWS_MAXNREG).
+FAST_EXP = 1
 # ... its K slices, warps, pipeline stages and register cap (None: the compiler's
 # choice). sm_90a (bf16, K = 128, Triton 3.6): K slices of 16 at four warps, three
 # stages: 128 registers, no spills, 15 KB shared (four CTAs an SM); of 32: 252
 # registers (one stage: 255 and spills; a cap of 128: 192 B spilled).
-# exp by the 2^x unit with subnormals flushed (_math.exp: MUFU.EX2 alone, where
-# tl.exp's subnormal fix-ups cost three more instructions an exp) in the intra-chunk
-# kernels of fla's bounded gate: the forward's row programs and W/U, the backward's
-# row programs and its pass through W. Never under the interpreter (inline PTX).
-FAST_EXP = 1
 INTRA_A_ROWS_BK = 16
-INTRA_A_ROWS_WARPS = 4
+# Two warps (2026-12-03, H200, ours alone, layer-style, FAST_EXP): kda_intra_a_fwd_rows
+# 0.733 -> 0.556 ms at B2-T8192-H8-HV32 (forward 1.829 -> 1.651), 0.195 -> 0.152 at
+# B1-T8192-H16; two warps with two stages 0.588. (At four warps ncu found its L1 80%
+# busy and a quarter of the warp slots taken, bound by registers.)
+INTRA_A_ROWS_WARPS = 2
 INTRA_A_ROWS_STAGES = 3
 INTRA_A_ROWS_MAXNREG = None
 # With INTRA_A_BLOCK_REFS, the steep launch not run where no chunk can need it (fwd._no_steep_launch:
