@@ -54,13 +54,15 @@ DIAG_INV_WARPS = 1
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
-# B1-T8192-H16 at 32; 16 the same within noise (0.607 / 0.170).
+# B1-T8192-H16 at 32; 16 the same within noise (0.607 / 0.170). 2026-12-03 (with the
+# diagonal-inverse launch): 64 took it 0.344 -> 0.372 ms at B2.
 INTRA_WU_BV = 32
 # ... and its K slices for W = Tm diag(beta) (K * exp(gam)) (None: the whole K in
 # one, BK). H200 (2026-12-03, bf16, B2-T8192-H8-HV32 layer-style, ours alone, same
 # process): 32 took intra_wu_fwd 0.582 -> 0.514 ms, forward 1.926 -> 1.857 (at four
 # warps 0.665). sm_90a (two warps, Triton 3.6): 255 registers both ways, spills 620 ->
-# 744 B: the slices' shorter live ranges, not the count, pay.
+# 744 B: the slices' shorter live ranges, not the count, pay. 2026-12-03 (with the
+# diagonal-inverse launch): 64 took it 0.344 -> 0.437 ms at B2.
 INTRA_WU_BK = 32
 # intra_a_fwd (the A's, Qg, Kr): K slices of BKA (bounded shared memory at any
 # K); a cap on its registers per thread (None: the compiler's choice, 255 at every
@@ -191,7 +193,9 @@ INTRA_BWD_A_ROW_PROGRAMS = 1
 # choice), and whether it takes FAST_EXP. sm_90a, bf16, K = 128, Triton 3.6, four warps:
 # 161 registers with tl.exp (three CTAs an SM), 174 with FAST_EXP (two: 65536 / (128 *
 # 176)); capped at 168 it keeps three, no spills, and FAST_EXP's instructions (1080
-# against 1184). (At 192 registers, before, a cap of 168 cost 0.06 ms a step.)
+# against 1184). H200 (2026-12-03, ours alone, B2-T8192-H8-HV32 layer-style):
+# kda_intra_bwd_a_rows 2.685 ms uncapped, 2.001 capped, 2.050 capped without FAST_EXP
+# (step 8.053 / 7.389 / 7.435 ms). (At 192 registers, before, the cap cost 0.06 ms a step.)
 INTRA_BWD_A_ROWS_WARPS = 4
 INTRA_BWD_A_ROWS_MAXNREG = 168
 INTRA_BWD_A_ROWS_FAST_EXP = 1
@@ -255,7 +259,7 @@ FAST_EXP = 1
 INTRA_A_ROWS_BK = 16
 # Two warps (2026-12-03, H200, ours alone, layer-style, FAST_EXP): kda_intra_a_fwd_rows
 # 0.733 -> 0.556 ms at B2-T8192-H8-HV32 (forward 1.829 -> 1.651), 0.195 -> 0.152 at
-# B1-T8192-H16; two warps with two stages 0.588. (At four warps ncu found its L1 80%
+# B1-T8192-H16; two warps with two stages 0.588; one warp 0.551 (within noise). (At four warps ncu found its L1 80%
 # busy and a quarter of the warp slots taken, bound by registers.)
 INTRA_A_ROWS_WARPS = 2
 INTRA_A_ROWS_STAGES = 3
