@@ -88,13 +88,15 @@ _SCRIPT = textwrap.dedent(
     launches = [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
     names = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in launches]
     gam_launch = ["kda_gam_fwd_kernel"] if settings.INTRA_GAM_KERNEL else []
-    assert names == gam_launch + ["kda_intra_a_fwd_kernel", "kda_intra_a_fwd_steep_kernel", "kda_intra_wu_fwd_kernel",
-                                  "kda_state_fwd_kernel", "kda_output_fwd_kernel"], names
+    inverses = ["kda_diag_inv_kernel"] if settings.INTRA_DIAG_INV_KERNEL else []
+    assert names == gam_launch + ["kda_intra_a_fwd_kernel", "kda_intra_a_fwd_steep_kernel", *inverses,
+                                  "kda_intra_wu_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel"], names
     for n in launches:
         assert not isinstance(n.kwargs["kwargs"]["T"], int), "T was specialised"
     warps = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).configs[0].num_warps for n in launches]
     assert warps == [settings.GAM_WARPS] * len(gam_launch) + [
-        settings.INTRA_A_FWD_WARPS, 4, settings.INTRA_WU_FWD_WARPS_BF16, settings.SCAN_WARPS, settings.OUTPUT_WARPS], warps
+        settings.INTRA_A_FWD_WARPS, 4, *[settings.DIAG_INV_WARPS] * len(inverses), settings.INTRA_WU_FWD_WARPS_BF16,
+        settings.SCAN_WARPS, settings.OUTPUT_WARPS], warps
     guards = sorted(str(g.expr) for g in env.guards)
     assert all("<=" in g for g in guards) and len(guards) == 2, guards
     print("ok")
