@@ -62,12 +62,9 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
     # without the hint the compiler proves no alignment and loads element by element.
     # Integers get no hint (the launcher adds one where a value is a multiple of 16).
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
-             if str(merged[p]).startswith("*")} if ALIGNED_POINTERS else {}
+             if str(merged[p]).startswith("*")}
     return triton.compile(ASTSource(fn=fn, signature={p: merged[p] for p in params}, constexprs=constexprs,
                                     attrs=attrs), target=TARGET, options=options)
-
-
-ALIGNED_POINTERS = True
 
 
 # SASS opcodes worth counting: tensor-core, FP32, special-function, global, shared

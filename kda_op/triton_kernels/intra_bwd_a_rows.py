@@ -107,7 +107,7 @@ def kda_intra_bwd_a_rows_kernel(
     b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
     b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
     b_tkj = exp(b_gm[None, :] - b_gi, FAST_EXP) * (tl.dot(tl.trans(b_dqk_j), b_q * b_er, input_precision=DOT_PREC)
-                                            + tl.dot(tl.trans(b_dkk_j), b_k * b_er, input_precision=DOT_PREC))
+                                                  + tl.dot(tl.trans(b_dkk_j), b_k * b_er, input_precision=DOT_PREC))
 
     row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
     b_dq = tl.load(dq + row_is, mask=m_is, other=0.0) + b_tq

@@ -39,6 +39,16 @@ INTRA_BWD_A_WARPS = 4
 # warps): intra_wu_fwd 0.229 -> 0.190 ms, forward 0.999 -> 0.958 ms, outputs
 # bitwise the same (bench_kernels.py, 2026-11-30).
 TM_ROW_LOADS = 1
+# exp by the 2^x unit with subnormals flushed (_math.exp: MUFU.EX2 alone, where
+# tl.exp's subnormal fix-ups cost three more instructions an exp) in the intra-chunk
+# kernels: the forward's A's (row programs or per chunk) and W/U, the backward's A's
+# (row programs where INTRA_BWD_A_ROWS_FAST_EXP too, or the split chunks per chunk) and
+# its pass through W; the steep paths keep tl.exp. Never under the interpreter (inline
+# PTX). On the H200 (2026-12-03, ours alone, B2-T8192-H8-HV32 layer-style): forward 1.862
+# -> 1.829 ms (intra_wu_fwd 0.516 -> 0.470), intra_bwd_w 1.872 -> 1.807; but
+# kda_intra_bwd_a_rows 1.990 -> 2.688: its registers went 161 -> 174 at four warps, two
+# CTAs an SM instead of three (see INTRA_BWD_A_ROWS_MAXNREG).
+FAST_EXP = 1
 # The inverses of the diagonal blocks of I + diag(beta) A_kk in a launch of their own
 # (diag_inv.py: one single-warp program per 16-row block, DIAG_INV_WARPS), which
 # intra_wu_fwd.py merges into Tm with dots instead of running the substitution for the
@@ -242,16 +252,6 @@ INTRA_A_BLOCK_REFS = 1
 # bf16, same process, with INTRA_BWD_A_ROW_PROGRAMS): forward 1.978 -> 1.937 ms
 # (kda_intra_a_fwd 0.760 -> rows 0.718); with K slices of 32: 2.028 (0.814).
 INTRA_A_ROW_PROGRAMS = 1
-# exp by the 2^x unit with subnormals flushed (_math.exp: MUFU.EX2 alone, where
-# tl.exp's subnormal fix-ups cost three more instructions an exp) in the intra-chunk
-# kernels: the forward's A's (row programs or per chunk) and W/U, the backward's A's
-# (row programs where INTRA_BWD_A_ROWS_FAST_EXP too, or the split chunks per chunk) and
-# its pass through W; the steep paths keep tl.exp. Never under the interpreter (inline
-# PTX). On the H200 (2026-12-03, ours alone, B2-T8192-H8-HV32 layer-style): forward 1.862
-# -> 1.829 ms (intra_wu_fwd 0.516 -> 0.470), intra_bwd_w 1.872 -> 1.807; but
-# kda_intra_bwd_a_rows 1.990 -> 2.688: its registers went 161 -> 174 at four warps, two
-# CTAs an SM instead of three (see INTRA_BWD_A_ROWS_MAXNREG).
-FAST_EXP = 1
 # ... its K slices, warps, pipeline stages and register cap (None: the compiler's
 # choice). sm_90a (bf16, K = 128, Triton 3.6): K slices of 16 at four warps, three
 # stages: 128 registers, no spills, 15 KB shared (four CTAs an SM); of 32: 252
@@ -259,8 +259,9 @@ FAST_EXP = 1
 INTRA_A_ROWS_BK = 16
 # Two warps (2026-12-03, H200, ours alone, layer-style, FAST_EXP): kda_intra_a_fwd_rows
 # 0.733 -> 0.556 ms at B2-T8192-H8-HV32 (forward 1.829 -> 1.651), 0.195 -> 0.152 at
-# B1-T8192-H16; two warps with two stages 0.588; one warp 0.551 (within noise). (At four warps ncu found its L1 80%
-# busy and a quarter of the warp slots taken, bound by registers.)
+# B1-T8192-H16; two warps with two stages 0.588; one warp 0.551 (within noise). (At
+# four warps ncu found its L1 80% busy and a quarter of the warp slots taken, bound by
+# registers.)
 INTRA_A_ROWS_WARPS = 2
 INTRA_A_ROWS_STAGES = 3
 INTRA_A_ROWS_MAXNREG = None
