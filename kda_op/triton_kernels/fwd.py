@@ -122,20 +122,11 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     tile = S.SHORT_TILE if (S.SHORT_TILE and s["SHORT"] and gam_kernel and not traced) else 0
     tilings = _tilings(tile)
     a_rows = _a_row_programs_serve(ga, row_spreads)
-    # the inverses of the diagonal blocks of I + diag(beta) A_kk (settings.INTRA_DIAG_INV_KERNEL):
-    # from the row programs (2, where they form every chunk's A_kk: no steep launch after
-    # them), else a launch of their own (1, 2), else intra_wu_fwd's substitution (0)
-    if S.INTRA_DIAG_INV_KERNEL not in (0, 1, 2):
-        raise ValueError(f"settings.INTRA_DIAG_INV_KERNEL: expected 0, 1 or 2, got {S.INTRA_DIAG_INV_KERNEL!r}")
-    rows_dinv = S.INTRA_DIAG_INV_KERNEL == 2 and a_rows and _no_steep_launch(ga)
-    diag_inv = S.INTRA_DIAG_INV_KERNEL != 0 and not rows_dinv
-    dinv = torch.empty(B, T, HV, BC, **f32) if diag_inv or rows_dinv else akk  # akk: a stand-in, never read
     if a_rows:
         # one program per 16-row block (intra_a_fwd_rows.py): a short chunk's blocks past
         # its rows return at once, so no tiles
         _kernel(kda_intra_a_fwd_rows_kernel, traced)[(BT // BC, NC, B * HV)](
-            q, k, gam, akk, aqk, steep, qg, kr, beta, dinv, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, BT=BT,
-            BC=BC, DIAG_INV=rows_dinv,
+            q, k, gam, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BC=BC,
             BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(), num_warps=S.INTRA_A_ROWS_WARPS,
             num_stages=S.INTRA_A_ROWS_STAGES,
@@ -157,6 +148,9 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs,
             BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
         )
+    # the diagonal blocks' inverses in programs of their own (settings.INTRA_DIAG_INV_KERNEL)
+    diag_inv = bool(S.INTRA_DIAG_INV_KERNEL)
+    dinv = torch.empty(B, T, HV, BC, **f32) if diag_inv else akk  # akk: a stand-in, never read
     if diag_inv:
         _kernel(kda_diag_inv_kernel, traced)[(BT // BC, NC, B * HV)](
             akk, beta, dinv, *s["VL_CHUNK"], T, NC, H=s["H"], HV=HV, BT=BT, BC=BC, IS_VARLEN=s["IS_VARLEN"],
@@ -165,7 +159,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS
     for tiling in tilings:
         _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-            k, v, beta, gam, akk, dinv, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=diag_inv or rows_dinv,
+            k, v, beta, gam, akk, dinv, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=diag_inv,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],

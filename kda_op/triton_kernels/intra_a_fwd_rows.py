@@ -22,13 +22,6 @@ gam) (Gam: the chunk's last gam) are written in the same pass over K, and block 
 program writes the chunk's steep flag as intra_a_fwd.py would (0 where the split at the
 middle row serves the backward, else 1: block references; never 2, the steep launch's).
 gam comes from gam_fwd.py.
-
-DIAG_INV (settings.INTRA_DIAG_INV_KERNEL = 2): each program also writes the inverse of
-its diagonal block of I + diag(beta) A_kk, X = (I + L)^-1 with L = diag(beta) A_kk on
-the block (strictly lower, so L^16 = 0), as diag_inv.py's launch would, by products
-instead of forward substitution: X = (I - L)(I + L^2)(I + L^4)(I + L^8), six [BC, BC]
-dots in fp32 ("ieee"), no dependent chain of 15 cross-thread reductions. Only where no
-later launch rewrites A_kk (no steep launch).
 """
 
 from __future__ import annotations
@@ -43,14 +36,14 @@ from ._indexing import chunk_coords, chunk_in_sequence, gam_row
 
 @triton.jit
 def kda_intra_a_fwd_rows_kernel(
-    q, k, gam, akk, aqk, steep, qg, kr, beta, dinv,
+    q, k, gam, akk, aqk, steep, qg, kr,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False, DIAG_INV: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False,
 ):
     # QG_FIRST / KR_LAST: as in intra_a_fwd.py (no Qg in a sequence's first chunk, no Kr
     # in its last, where nothing reads them). FAST_EXP: _math.exp without subnormals.
@@ -79,8 +72,6 @@ def kda_intra_a_fwd_rows_kernel(
     aqk += (bos * HV + i_hv) * BT
     qg += (bos * HV + i_hv) * K
     kr += (bos * HV + i_hv) * K
-    beta += bos * HV + i_hv
-    dinv += (bos * HV + i_hv) * BC
     store_qg = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | QG_FIRST
     store_kr = (T > BT) | KR_LAST
     if i_blk == 0:
@@ -96,20 +87,19 @@ def kda_intra_a_fwd_rows_kernel(
             spread = tl.maximum(spread, tl.max(tl.maximum(b_first - b_mid, b_mid - b_last), 0))
         tl.store(steep + g_c * HV + i_hv, tl.where(spread <= MAX_SPLIT, 0, 1).to(tl.int32))
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BC,
-              DOT_PREC, INTERPRET, FAST_EXP, beta, dinv, DIAG_INV)
+              DOT_PREC, INTERPRET, FAST_EXP)
     elif i_blk == 1:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, 2 * BC,
-              DOT_PREC, INTERPRET, FAST_EXP, beta, dinv, DIAG_INV)
+              DOT_PREC, INTERPRET, FAST_EXP)
     else:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BT,
-              DOT_PREC, INTERPRET, FAST_EXP, beta, dinv, DIAG_INV)
+              DOT_PREC, INTERPRET, FAST_EXP)
 
 
 @triton.jit
 def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV,
           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr, CW: tl.constexpr,
-          DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr, beta, dinv,
-          DIAG_INV: tl.constexpr):
+          DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr):
     """Block ``i_blk``'s rows of the A's on [BC, CW] tiles (CW >= the block's end),
     the columns from CW stored as zeros, and its rows of Qg and Kr. The pointers are
     at the chunk's first row and this head; T the rows from there to the sequence's end."""
@@ -146,8 +136,6 @@ def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, H
     tl.store(akk + p_a, tl.where(o_i[:, None] > o_j[None, :], b_akk, 0.0), mask=m_i[:, None])
     tl.store(aqk + p_a, as_stored(tl.where(o_i[:, None] >= o_j[None, :], b_aqk, 0.0), aqk,
                                   INTERPRET).to(aqk.dtype.element_ty), mask=m_i[:, None])
-    if DIAG_INV:
-        _diag_inverse(b_akk, beta, dinv, o_i, m_i, i_blk, HV, BC, CW)
     if CW < BT:  # every byte of the rows written (kept intermediates): the columns from CW zero
         o_z = tl.arange(0, BT)  # (BT - CW need not be a power of two)
         p_z = o_i[:, None] * (HV * BT) + o_z[None, :]
@@ -155,27 +143,3 @@ def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, H
         b_z = tl.zeros([BC, BT], dtype=tl.float32)
         tl.store(akk + p_z, b_z, mask=m_z)
         tl.store(aqk + p_z, b_z.to(aqk.dtype.element_ty), mask=m_z)
-
-
-@triton.jit
-def _diag_inverse(b_akk, beta, dinv, o_i, m_i, i_blk, HV, BC: tl.constexpr, CW: tl.constexpr):
-    """Rows ``o_i`` of dinv: (I + L)^-1, L = diag(beta) A_kk on block ``i_blk``'s
-    diagonal [BC, BC] tile, cut out of this program's [BC, CW] rows of A_kk."""
-    o_c = tl.arange(0, BC)
-    if CW == BC:
-        b_d = b_akk
-    else:
-        # the block's own columns: [BC, CW / BC, BC], the other column blocks masked off
-        o_cb = tl.arange(0, CW // BC)
-        b_d = tl.sum(tl.where((o_cb == i_blk)[None, :, None], tl.reshape(b_akk, (BC, CW // BC, BC)), 0.0), 1)
-    b_beta = tl.load(beta + o_i * HV, mask=m_i, other=0.0).to(tl.float32)
-    # rows past T are zero (their K rows were masked), so their rows of X are rows of I
-    b_l = tl.where(o_c[:, None] > o_c[None, :], b_beta[:, None] * b_d, 0.0)
-    b_eye = tl.where(o_c[:, None] == o_c[None, :], 1.0, 0.0)
-    b_l2 = tl.dot(b_l, b_l, input_precision="ieee")
-    b_l4 = tl.dot(b_l2, b_l2, input_precision="ieee")
-    b_l8 = tl.dot(b_l4, b_l4, input_precision="ieee")
-    b_x = tl.dot(b_eye - b_l, b_eye + b_l2, input_precision="ieee")
-    b_x = tl.dot(b_x, b_eye + b_l4, input_precision="ieee")
-    b_x = tl.dot(b_x, b_eye + b_l8, input_precision="ieee")
-    tl.store(dinv + o_i[:, None] * (HV * BC) + o_c[None, :], b_x, mask=m_i[:, None])
