@@ -49,6 +49,8 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.RECURRENT_MAXNREG
     if fn.__name__ == "kda_intra_a_fwd_rows_kernel" and S.INTRA_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_A_ROWS_MAXNREG
+    if fn.__name__ == "kda_intra_wu_fwd_kernel" and S.INTRA_WU_FWD_MAXNREG:
+        options["maxnreg"] = S.INTRA_WU_FWD_MAXNREG
     if fn.__name__ == "kda_intra_bwd_a_rows_kernel" and S.INTRA_BWD_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_BWD_A_ROWS_MAXNREG
     # in the kernel's parameter order: Triton >= 3.7 reads the signature by position
@@ -209,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
               ROW_PROGRAMS=bool(S.STEEP_FWD_ROW_PROGRAMS), BLOCK_REFS=bool(S.STEEP_BLOCK_REFS)), 4, 3),
         # the diagonal blocks' inverses in a launch of their own (settings.INTRA_DIAG_INV_KERNEL)
         (diag_inv.kda_diag_inv_kernel, dict(**vl_chunk, akk=f32, beta=x, dinv=f32, **ints),
-         dict(**varlen, BT=BT, BC=BC), S.DIAG_INV_WARPS, 3),
+         dict(**varlen, BT=BT, BC=BC, NBLK=S.DIAG_INV_BLOCKS), S.DIAG_INV_WARPS, 3),
         # as the forward that keeps its intermediates (and the backward's recompute)
         # launches it, then as one that keeps nothing
         *[(intra_wu_fwd.kda_intra_wu_fwd_kernel,

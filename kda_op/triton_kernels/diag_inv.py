@@ -26,13 +26,15 @@ def kda_diag_inv_kernel(
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
-    BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr = False,
+    BT: tl.constexpr, BC: tl.constexpr, IS_VARLEN: tl.constexpr = False, NBLK: tl.constexpr = 1,
 ):
+    # NBLK (settings.DIAG_INV_BLOCKS): blocks per program, their substitutions side by
+    # side on a [NBLK, BC, BC] tile (fewer, longer programs: the steps' latency overlaps)
     i_blk = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
-    t0 = i_blk * BC
+    t0 = i_blk * NBLK * BC
     if t0 >= T:  # past the chunk's rows (a short chunk, or an unused slot: T <= 0)
         return
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
@@ -41,6 +43,9 @@ def kda_diag_inv_kernel(
     beta += bos * HV + i_hv
     dinv += (bos * HV + i_hv) * BC
 
+    if NBLK > 1:
+        _blocks(akk, beta, dinv, t0, T, HV, BT, BC, NBLK)
+        return
     o_c = tl.arange(0, BC)
     o_t = t0 + o_c
     m_t = o_t < T
@@ -57,3 +62,24 @@ def kda_diag_inv_kernel(
         b_row = tl.where(row, 1.0, 0.0) - tl.sum(b_dr[:, None] * b_x, 0)
         b_x = tl.where(row[:, None], b_row[None, :], b_x)
     tl.store(dinv + o_t[:, None] * (HV * BC) + o_c[None, :], b_x, mask=m_t[:, None])
+
+
+@triton.jit
+def _blocks(akk, beta, dinv, t0, T, HV, BT: tl.constexpr, BC: tl.constexpr, NBLK: tl.constexpr):
+    """NBLK blocks from row ``t0``: the same substitution on [NBLK, BC, BC] (block, row,
+    column); the pointers are at the chunk's first row and this head."""
+    o_b = tl.arange(0, NBLK)
+    o_c = tl.arange(0, BC)
+    o_t = t0 + o_b[:, None] * BC + o_c[None, :]  # [NBLK, BC]: each block's rows
+    m_t = o_t < T
+    b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+    lower = (o_c[:, None] > o_c[None, :])[None, :, :]
+    b_d = b_beta[:, :, None] * tl.load(akk + o_t[:, :, None] * (HV * BT) + (t0 + o_b * BC)[:, None, None]
+                                       + o_c[None, None, :], mask=m_t[:, :, None] & lower, other=0.0)
+    b_x = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NBLK, BC, BC], dtype=tl.float32)
+    for r in range(1, BC):
+        row = o_c == r
+        b_dr = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # D[b, r, :], [NBLK, BC]
+        b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_dr[:, :, None] * b_x, 1)
+        b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
+    tl.store(dinv + o_t[:, :, None] * (HV * BC) + o_c[None, None, :], b_x, mask=m_t[:, :, None])

@@ -152,9 +152,11 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     diag_inv = bool(S.INTRA_DIAG_INV_KERNEL)
     dinv = torch.empty(B, T, HV, BC, **f32) if diag_inv else akk  # akk: a stand-in, never read
     if diag_inv:
-        _kernel(kda_diag_inv_kernel, traced)[(BT // BC, NC, B * HV)](
+        if S.DIAG_INV_BLOCKS not in (1, 2, 4):
+            raise ValueError(f"settings.DIAG_INV_BLOCKS: expected 1, 2 or 4, got {S.DIAG_INV_BLOCKS!r}")
+        _kernel(kda_diag_inv_kernel, traced)[(BT // BC // S.DIAG_INV_BLOCKS, NC, B * HV)](
             akk, beta, dinv, *s["VL_CHUNK"], T, NC, H=s["H"], HV=HV, BT=BT, BC=BC, IS_VARLEN=s["IS_VARLEN"],
-            num_warps=S.DIAG_INV_WARPS,
+            NBLK=S.DIAG_INV_BLOCKS, num_warps=S.DIAG_INV_WARPS,
         )
     wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS
     for tiling in tilings:
@@ -164,6 +166,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             W_FIRST=w_first, FAST_EXP=_fast_exp(), **tiling, num_warps=wu_warps,
+            **(dict(maxnreg=S.INTRA_WU_FWD_MAXNREG) if S.INTRA_WU_FWD_MAXNREG else {}),
         )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 

@@ -30,6 +30,8 @@ INTRA_WU_FWD_WARPS = 4
 # grads to four warps 3e-5). Not at fp32 or K = 256, where two warps spill
 # kilobytes (benchmarks/kernel_resources.py).
 INTRA_WU_FWD_WARPS_BF16 = 2
+# A cap on intra_wu_fwd's registers per thread (None: the compiler's choice)
+INTRA_WU_FWD_MAXNREG = None
 INTRA_BWD_W_WARPS = 8  # with BKS_W = 64; at 4 warps it spilled 2.4 KB
 INTRA_BWD_WARPS = 8  # 4 -> 8 on 2026-12-03 (see INTRA_BWD_BF16_DAQK)
 INTRA_BWD_A_WARPS = 4
@@ -61,6 +63,8 @@ FAST_EXP = 1
 # the launch took 0.190 ms at B2.
 INTRA_DIAG_INV_KERNEL = 1
 DIAG_INV_WARPS = 1
+# ... and its blocks per program (1, 2 or 4), whose substitutions run side by side
+DIAG_INV_BLOCKS = 1
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
@@ -264,7 +268,11 @@ INTRA_A_ROWS_BK = 16
 # registers.)
 INTRA_A_ROWS_WARPS = 2
 INTRA_A_ROWS_STAGES = 3
-INTRA_A_ROWS_MAXNREG = None
+# 128 registers (two warps, sm_90a, Triton 3.6: 144 -> 126, no spills; eight CTAs an SM
+# instead of seven): H200 (2026-12-04, same process, layer-style) kda_intra_a_fwd_rows
+# 0.554 -> 0.540 ms in the forward and 0.576 -> 0.544 in the backward's recompute at
+# B2-T8192-H8-HV32 (forward+backward 7.467 -> 7.435 ms), 0.152 -> 0.148 at B1-T8192-H16.
+INTRA_A_ROWS_MAXNREG = 128
 # With INTRA_A_BLOCK_REFS, the steep launch not run where no chunk can need it (fwd._no_steep_launch:
 # fla's bounded gate with |lower_bound| <= 7.375, block references on), instead of
 # always (0). On the H200 (2026-12-01, same process, fla's layer flags, 2048 packed
