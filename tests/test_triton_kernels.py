@@ -1253,6 +1253,41 @@ def test_forward_a_by_row_blocks_matches_the_dots_over_every_row(case, monkeypat
     _variant_matches(views, results, want, ("akk", "aqk", "qg", "kr"), rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("case", ["batch", "packed-with-states"])
+def test_forward_row_block_pairs_match_single_blocks(case, monkeypatch):
+    """settings.INTRA_A_ROWS_PAIRS (one program per two 16-row blocks, the columns' rows
+    of K and gam loaded once for both, half the programs): the kept A's, Qg, Kr, steep
+    flags and every output within fp32 rounding of one program per block (the same
+    references and dots), the outputs within the fp64 reference's tolerance; under the
+    interpreter no access leaves its tensor. Packed: empty sequences, one row, a block
+    and one more (a pair's second block past the rows), short chunks, a long one."""
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    cpu, gate, cu, h0 = _row_block_problem(case, [0, 1, 16, 17, 33, 64, 65, 3, 200, 0, 130, 31], seed=53, h0_seed=7)
+    want = _reference_fwd(*cpu, None, h0, gate, cu)
+    args = [x.to(DEVICE) for x in cpu]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
+    pairs = []
+    _on_launch(monkeypatch, fwd, "kda_intra_a_fwd_rows_kernel", lambda kw: pairs.append(kw["PAIRS"]))
+    results, views = [], []
+    for on in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_A_ROWS_PAIRS", on)
+        checker = None
+        if on and DEVICE == "cpu":
+            checker = _bounds_checker(monkeypatch, args + [h0_d, cu_d] + [x for x in gate_d if isinstance(x, torch.Tensor)])
+        o, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d)
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+        results.append((o, ht, cs))
+        views.append(_intermediates_views(kept, _layout(args[0], args[2], cu_d)[0]))
+    assert pairs == [False, True], pairs
+    assert torch.equal(views[0]["steep"], views[1]["steep"])
+    _variant_matches(views, results, want, ("akk", "aqk", "qg", "kr"), rtol=1e-5, atol=1e-6)
+
+
 def test_row_block_backward_only_where_the_gate_bounds_every_block():
     """The row-block backward through the A's needs every chunk's gam within MAX_SPLIT
     of each 16-row block's middle row and every log decay <= 0: fla's lower_bound form
@@ -1483,13 +1518,14 @@ def test_intra_bwd_takes_a_bf16_dot_for_do_and_u_prime(monkeypatch):
 @pytest.mark.parametrize("case", ["batch", "packed-short-tiles", "packed-row-programs"])
 def test_diagonal_inverses_in_their_own_launch_match_the_substitution(case, monkeypatch):
     """settings.INTRA_DIAG_INV_KERNEL (the inverses of the 16-row diagonal blocks of
-    I + diag(beta) A_kk by diag_inv.py, one single-warp program per block, merged into Tm
-    by intra_wu_fwd.py): the kept Tm, W, U and every output within fp32 rounding of the
+    I + diag(beta) A_kk by diag_inv.py, single-warp programs of DIAG_INV_BLOCKS blocks,
+    merged into Tm by intra_wu_fwd.py): the kept Tm, W, U and every output within fp32 rounding of the
     substitution in intra_wu_fwd's own programs, the outputs and grads within the
     reference's tolerance; under the interpreter no access leaves its tensor. Batch: K = 48,
     V = 40, a partial last chunk, an initial state (the per-chunk A's); packed: short
     sequences on their 32-row tiles (settings.SHORT_TILE), one row, a chunk and one more, a
-    long one; and with fla's bounded gate, whose A's come from the row programs."""
+    long one, one block a program; and with fla's bounded gate, whose A's come from the row
+    programs."""
     from kda_op.ops import _reference_fwd
     from kda_op.triton_kernels import fwd, settings
     from kda_op.triton_kernels._host import _intermediates_views, _layout
@@ -1509,6 +1545,7 @@ def test_diagonal_inverses_in_their_own_launch_match_the_substitution(case, monk
         cu = cu.to(DEVICE)
         if case == "packed-short-tiles":
             monkeypatch.setattr(settings, "INTRA_A_ROW_PROGRAMS", 0)  # the per-chunk A's take the tiles
+            monkeypatch.setattr(settings, "DIAG_INV_BLOCKS", 1)  # one block a program (the others: the default)
     wu, rows = [], []
     _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel",
                lambda kw: wu.append((kw["DINV_IN"], kw.get("TILE", 0) or kw.get("PICK_TILE", 0))))

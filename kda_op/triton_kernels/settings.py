@@ -63,8 +63,11 @@ FAST_EXP = 1
 # the launch took 0.190 ms at B2.
 INTRA_DIAG_INV_KERNEL = 1
 DIAG_INV_WARPS = 1
-# ... and its blocks per program (1, 2 or 4), whose substitutions run side by side
-DIAG_INV_BLOCKS = 1
+# ... and its blocks per program (1, 2 or 4), whose substitutions run side by side on one
+# warp: H200 (2026-12-04, same process, layer-style) kda_diag_inv 0.070 -> 0.039 ms at
+# B2-T8192-H8-HV32 with 4 (forward 1.600 -> 1.569 ms; 2: 0.040; 4 at two warps 0.110),
+# 0.020 -> 0.013 at B1-T8192-H16.
+DIAG_INV_BLOCKS = 4
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
@@ -273,6 +276,12 @@ INTRA_A_ROWS_STAGES = 3
 # 0.554 -> 0.540 ms in the forward and 0.576 -> 0.544 in the backward's recompute at
 # B2-T8192-H8-HV32 (forward+backward 7.467 -> 7.435 ms), 0.152 -> 0.148 at B1-T8192-H16.
 INTRA_A_ROWS_MAXNREG = 128
+# ... or one program per two row blocks (intra_a_fwd_rows.py's PAIRS: the columns' rows of
+# K and gam loaded once for both; 96 such rows a chunk instead of 176), at these warps and
+# register cap (None: none)
+INTRA_A_ROWS_PAIRS = 0
+INTRA_A_ROWS_PAIRS_WARPS = 4
+INTRA_A_ROWS_PAIRS_MAXNREG = None
 # With INTRA_A_BLOCK_REFS, the steep launch not run where no chunk can need it (fwd._no_steep_launch:
 # fla's bounded gate with |lower_bound| <= 7.375, block references on), instead of
 # always (0). On the H200 (2026-12-01, same process, fla's layer flags, 2048 packed
