@@ -47,10 +47,8 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.INTRA_A_FWD_MAXNREG
     if fn.__name__ == "kda_recurrent_fwd_kernel" and S.RECURRENT_MAXNREG:
         options["maxnreg"] = S.RECURRENT_MAXNREG
-    if fn.__name__ == "kda_intra_a_fwd_rows_kernel":
-        cap = S.INTRA_A_ROWS_PAIRS_MAXNREG if S.INTRA_A_ROWS_PAIRS else S.INTRA_A_ROWS_MAXNREG
-        if cap:
-            options["maxnreg"] = cap
+    if fn.__name__ == "kda_intra_a_fwd_rows_kernel" and S.INTRA_A_ROWS_MAXNREG:
+        options["maxnreg"] = S.INTRA_A_ROWS_MAXNREG
     if fn.__name__ == "kda_intra_wu_fwd_kernel" and S.INTRA_WU_FWD_MAXNREG:
         options["maxnreg"] = S.INTRA_WU_FWD_MAXNREG
     if fn.__name__ == "kda_intra_bwd_a_rows_kernel" and S.INTRA_BWD_A_ROWS_MAXNREG:
@@ -205,8 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         (intra_a_fwd_rows.kda_intra_a_fwd_rows_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op, scale=scale_type, **ints),
          dict(**varlen, K=K, BT=BT, BC=BC, BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT,
-              FAST_EXP=bool(S.FAST_EXP), PAIRS=bool(S.INTRA_A_ROWS_PAIRS)),
-         S.INTRA_A_ROWS_PAIRS_WARPS if S.INTRA_A_ROWS_PAIRS else S.INTRA_A_ROWS_WARPS, S.INTRA_A_ROWS_STAGES),
+              FAST_EXP=bool(S.FAST_EXP)),
+         S.INTRA_A_ROWS_WARPS, S.INTRA_A_ROWS_STAGES),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
          dict(**varlen, K=K, BT=BT, BC=BC, BKS=S.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT,

@@ -1253,41 +1253,6 @@ def test_forward_a_by_row_blocks_matches_the_dots_over_every_row(case, monkeypat
     _variant_matches(views, results, want, ("akk", "aqk", "qg", "kr"), rtol=2e-4, atol=2e-5)
 
 
-@pytest.mark.parametrize("case", ["batch", "packed-with-states"])
-def test_forward_row_block_pairs_match_single_blocks(case, monkeypatch):
-    """settings.INTRA_A_ROWS_PAIRS (one program per two 16-row blocks, the columns' rows
-    of K and gam loaded once for both, half the programs): the kept A's, Qg, Kr, steep
-    flags and every output within fp32 rounding of one program per block (the same
-    references and dots), the outputs within the fp64 reference's tolerance; under the
-    interpreter no access leaves its tensor. Packed: empty sequences, one row, a block
-    and one more (a pair's second block past the rows), short chunks, a long one."""
-    from kda_op.ops import _reference_fwd
-    from kda_op.triton_kernels import fwd, settings
-    from kda_op.triton_kernels._host import _intermediates_views, _layout
-
-    cpu, gate, cu, h0 = _row_block_problem(case, [0, 1, 16, 17, 33, 64, 65, 3, 200, 0, 130, 31], seed=53, h0_seed=7)
-    want = _reference_fwd(*cpu, None, h0, gate, cu)
-    args = [x.to(DEVICE) for x in cpu]
-    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
-    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
-    pairs = []
-    _on_launch(monkeypatch, fwd, "kda_intra_a_fwd_rows_kernel", lambda kw: pairs.append(kw["PAIRS"]))
-    results, views = [], []
-    for on in (0, 1):
-        monkeypatch.setattr(settings, "INTRA_A_ROWS_PAIRS", on)
-        checker = None
-        if on and DEVICE == "cpu":
-            checker = _bounds_checker(monkeypatch, args + [h0_d, cu_d] + [x for x in gate_d if isinstance(x, torch.Tensor)])
-        o, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d)
-        if checker is not None:
-            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
-        results.append((o, ht, cs))
-        views.append(_intermediates_views(kept, _layout(args[0], args[2], cu_d)[0]))
-    assert pairs == [False, True], pairs
-    assert torch.equal(views[0]["steep"], views[1]["steep"])
-    _variant_matches(views, results, want, ("akk", "aqk", "qg", "kr"), rtol=1e-5, atol=1e-6)
-
-
 def test_row_block_backward_only_where_the_gate_bounds_every_block():
     """The row-block backward through the A's needs every chunk's gam within MAX_SPLIT
     of each 16-row block's middle row and every log decay <= 0: fla's lower_bound form
@@ -1434,7 +1399,7 @@ def test_fused_backward_scan_takes_bf16_dots_for_bf16_inputs(monkeypatch):
     dO all bf16) put dS_C and dU' into the scan's dots rounded to bf16 (the GPU's
     rounding under the interpreter, _dot.py), as fla's dh kernel does: every grad within
     bf16's tolerance of the fp64 reference on the same rounded inputs, as with TF32 dots;
-    fp32 inputs keep TF32 dots."""
+    fp32 dS_C (BF16_DSTATES = 0) and fp32 inputs keep TF32 dots."""
     from kda_op.triton_kernels import bwd, settings
 
     args, do, dht, grads_ref = _bf16_problem(2 * CHUNK_SIZE + 21, seed=109)
@@ -1452,6 +1417,11 @@ def test_fused_backward_scan_takes_bf16_dots_for_bf16_inputs(monkeypatch):
     # bf16 in three of the scan's dots (test_triton_bf16_options bounds the others at 1e-2)
     assert max(errors.values()) < 1e-2, errors
     assert seen == [False, True], seen
+    # dS_C stored in fp32 (BF16_DSTATES = 0): TF32 dots (settings.SCAN_BWD_BF16_DOTS says why)
+    monkeypatch.setattr(settings, "BF16_DSTATES", 0)
+    o, ht, cs, kept = kda_fwd_triton(*args, keep_intermediates=True)
+    kda_bwd_triton(*args, cs, do, dht, intermediates=kept)
+    assert seen[-1] is False
     fp32 = _inputs(1, CHUNK_SIZE + 5, 1, 2, 32, 16, True, seed=113)
     fargs = [fp32[n] for n in NAMES]
     o, ht, cs, kept = kda_fwd_triton(*fargs, None, fp32["initial_state"], True)

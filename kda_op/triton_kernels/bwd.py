@@ -118,7 +118,8 @@ def kda_bwd_triton(
                 *s["VL_SEQ"], ds_offsets, T, NC,
                 H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_BWD"],
                 HAS_DHT=dht is not None, DOT_PREC=prec,
-                BF16_DOTS=s["SCAN_BWD_BF16_DOTS"] and do.dtype == torch.bfloat16 and aqk.dtype == torch.bfloat16,
+                BF16_DOTS=(s["SCAN_BWD_BF16_DOTS"] and do.dtype == torch.bfloat16 and aqk.dtype == torch.bfloat16
+                           and dchunk_states.dtype == torch.bfloat16),
                 IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None, INTERPRET=_INTERPRET,
                 COMPACT=compact, num_warps=S.SCAN_BWD_WARPS or S.SCAN_WARPS, num_stages=s["SCAN_BWD_STAGES"],
             )

@@ -125,14 +125,12 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     if a_rows:
         # one program per 16-row block (intra_a_fwd_rows.py): a short chunk's blocks past
         # its rows return at once, so no tiles
-        pairs = bool(S.INTRA_A_ROWS_PAIRS)
-        _kernel(kda_intra_a_fwd_rows_kernel, traced)[(BT // BC // (2 if pairs else 1), NC, B * HV)](
+        _kernel(kda_intra_a_fwd_rows_kernel, traced)[(BT // BC, NC, B * HV)](
             q, k, gam, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BC=BC,
             BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-            QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(), PAIRS=pairs,
-            num_warps=S.INTRA_A_ROWS_PAIRS_WARPS if pairs else S.INTRA_A_ROWS_WARPS, num_stages=S.INTRA_A_ROWS_STAGES,
-            **(dict(maxnreg=S.INTRA_A_ROWS_PAIRS_MAXNREG if pairs else S.INTRA_A_ROWS_MAXNREG)
-               if (S.INTRA_A_ROWS_PAIRS_MAXNREG if pairs else S.INTRA_A_ROWS_MAXNREG) else {}),
+            QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(), num_warps=S.INTRA_A_ROWS_WARPS,
+            num_stages=S.INTRA_A_ROWS_STAGES,
+            **(dict(maxnreg=S.INTRA_A_ROWS_MAXNREG) if S.INTRA_A_ROWS_MAXNREG else {}),
         )
     for tiling in (() if a_rows else tilings):
         _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](

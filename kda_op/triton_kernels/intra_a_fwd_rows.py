@@ -22,10 +22,6 @@ gam) (Gam: the chunk's last gam) are written in the same pass over K, and block 
 program writes the chunk's steep flag as intra_a_fwd.py would (0 where the split at the
 middle row serves the backward, else 1: block references; never 2, the steep launch's).
 gam comes from gam_fwd.py.
-
-PAIRS (settings.INTRA_A_ROWS_PAIRS): one program per two row blocks instead, each block
-with its own middle row and dots as above, the columns' K and gam rows loaded once for
-both (up to the second block's end: 32 + 64 rows a chunk instead of 16 + 32 + 64 + 64).
 """
 
 from __future__ import annotations
@@ -47,7 +43,7 @@ def kda_intra_a_fwd_rows_kernel(
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False, PAIRS: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False,
 ):
     # QG_FIRST / KR_LAST: as in intra_a_fwd.py (no Qg in a sequence's first chunk, no Kr
     # in its last, where nothing reads them). FAST_EXP: _math.exp without subnormals.
@@ -56,7 +52,7 @@ def kda_intra_a_fwd_rows_kernel(
     tl.static_assert(BT == 4 * BC, "four row blocks a chunk")
     # the row block varies fastest, so that a chunk's programs run side by side and
     # share their loads of K and gam through L2
-    i_blk = tl.program_id(0) * (2 if PAIRS else 1)  # the program's (first) row block
+    i_blk = tl.program_id(0)
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
@@ -90,14 +86,6 @@ def kda_intra_a_fwd_rows_kernel(
             b_last = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
             spread = tl.maximum(spread, tl.max(tl.maximum(b_first - b_mid, b_mid - b_last), 0))
         tl.store(steep + g_c * HV + i_hv, tl.where(spread <= MAX_SPLIT, 0, 1).to(tl.int32))
-    if PAIRS:
-        if i_blk == 0:
-            _pair(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, 2 * BC,
-                  DOT_PREC, INTERPRET, FAST_EXP)
-        else:
-            _pair(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BT,
-                  DOT_PREC, INTERPRET, FAST_EXP)
-    elif i_blk == 0:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BC,
               DOT_PREC, INTERPRET, FAST_EXP)
     elif i_blk == 1:
@@ -125,22 +113,25 @@ def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, H
     for i_s in range(tl.cdiv(K, BKA)):
         o_k = i_s * BKA + tl.arange(0, BKA)
         m_k = o_k < K
+        m_ik = m_i[:, None] & m_k[None, :]
+        p_ik = o_i[:, None] * (HV * K) + o_k[None, :]
+        b_gm = tl.load(gam + gam_row(i_blk * BC + BC // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)
+        b_gi = tl.load(gam + gam_row(o_i, T)[:, None] * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_qi = tl.load(q + o_i[:, None] * (H * K) + o_k[None, :], mask=m_ik, other=0.0).to(tl.float32) * scale
+        b_ki = tl.load(k + o_i[:, None] * (H * K) + o_k[None, :], mask=m_ik, other=0.0).to(tl.float32)
+        if store_qg:
+            tl.store(qg + p_ik, as_stored(b_qi * exp(b_gi, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_ik)
+        if store_kr:
+            b_gl = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
+            tl.store(kr + p_ik, as_stored(b_ki * exp(b_gl[None, :] - b_gi, FAST_EXP), kr,
+                                          INTERPRET).to(kr.dtype.element_ty), mask=m_ik)
+        b_ei = exp(b_gi - b_gm[None, :], FAST_EXP)
         b_kj = tl.load(k + o_j[:, None] * (H * K) + o_k[None, :], mask=m_j[:, None] & m_k[None, :],
                        other=0.0).to(tl.float32)
         b_gj = tl.load(gam + gam_row(o_j, T)[:, None] * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-        d_kk, d_qk = _block_slice(q, k, gam, qg, kr, store_qg, store_kr, scale, T, o_i, i_blk, upto, b_kj, b_gj,
-                                  o_k, m_k, H, HV, K, BT, BC, DOT_PREC, INTERPRET, FAST_EXP)
-        b_akk += d_kk
-        b_aqk += d_qk
-    _store_a_rows(akk, aqk, b_akk, b_aqk, o_i, m_i, HV, BT, BC, CW, INTERPRET)
-
-
-@triton.jit
-def _store_a_rows(akk, aqk, b_akk, b_aqk, o_i, m_i, HV, BT: tl.constexpr, BC: tl.constexpr, CW: tl.constexpr,
-                  INTERPRET: tl.constexpr):
-    """Rows ``o_i`` of A_kk (strictly lower) and A_qk (lower) from [BC, CW] tiles, the
-    columns from CW as zeros."""
-    o_j = tl.arange(0, CW)
+        b_kc = tl.trans(b_kj * exp(tl.where(upto[:, None], b_gm[None, :] - b_gj, float("-inf")), FAST_EXP))
+        b_akk += tl.dot(b_ki * b_ei, b_kc, input_precision=DOT_PREC)
+        b_aqk += tl.dot(b_qi * b_ei, b_kc, input_precision=DOT_PREC)
     p_a = o_i[:, None] * (HV * BT) + o_j[None, :]
     tl.store(akk + p_a, tl.where(o_i[:, None] > o_j[None, :], b_akk, 0.0), mask=m_i[:, None])
     tl.store(aqk + p_a, as_stored(tl.where(o_i[:, None] >= o_j[None, :], b_aqk, 0.0), aqk,
@@ -152,62 +143,3 @@ def _store_a_rows(akk, aqk, b_akk, b_aqk, o_i, m_i, HV, BT: tl.constexpr, BC: tl
         b_z = tl.zeros([BC, BT], dtype=tl.float32)
         tl.store(akk + p_z, b_z, mask=m_z)
         tl.store(aqk + p_z, b_z.to(aqk.dtype.element_ty), mask=m_z)
-
-
-@triton.jit
-def _pair(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV,
-          K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr, CW: tl.constexpr,
-          DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr):
-    """Blocks ``i_blk`` and ``i_blk + 1`` (PAIRS): each block's rows of the A's on
-    [BC, CW] tiles (CW = the second block's end), of Qg and Kr, as _rows forms them;
-    the columns' rows of K and gam loaded once for both."""
-    o_a = i_blk * BC + tl.arange(0, BC)
-    o_b = o_a + BC
-    o_j = tl.arange(0, CW)
-    m_j = o_j < T
-    upto_a = o_j < (i_blk + 1) * BC  # the second block's columns reach to CW
-    b_akk_a = tl.zeros([BC, CW], dtype=tl.float32)
-    b_aqk_a = tl.zeros([BC, CW], dtype=tl.float32)
-    b_akk_b = tl.zeros([BC, CW], dtype=tl.float32)
-    b_aqk_b = tl.zeros([BC, CW], dtype=tl.float32)
-    for i_s in range(tl.cdiv(K, BKA)):
-        o_k = i_s * BKA + tl.arange(0, BKA)
-        m_k = o_k < K
-        b_kj = tl.load(k + o_j[:, None] * (H * K) + o_k[None, :], mask=m_j[:, None] & m_k[None, :],
-                       other=0.0).to(tl.float32)
-        b_gj = tl.load(gam + gam_row(o_j, T)[:, None] * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-        d_kk, d_qk = _block_slice(q, k, gam, qg, kr, store_qg, store_kr, scale, T, o_a, i_blk, upto_a, b_kj, b_gj,
-                                  o_k, m_k, H, HV, K, BT, BC, DOT_PREC, INTERPRET, FAST_EXP)
-        b_akk_a += d_kk
-        b_aqk_a += d_qk
-        d_kk, d_qk = _block_slice(q, k, gam, qg, kr, store_qg, store_kr, scale, T, o_b, i_blk + 1, o_j < CW, b_kj,
-                                  b_gj, o_k, m_k, H, HV, K, BT, BC, DOT_PREC, INTERPRET, FAST_EXP)
-        b_akk_b += d_kk
-        b_aqk_b += d_qk
-    _store_a_rows(akk, aqk, b_akk_a, b_aqk_a, o_a, o_a < T, HV, BT, BC, CW, INTERPRET)
-    _store_a_rows(akk, aqk, b_akk_b, b_aqk_b, o_b, o_b < T, HV, BT, BC, CW, INTERPRET)
-
-
-@triton.jit
-def _block_slice(q, k, gam, qg, kr, store_qg, store_kr, scale, T, o_i, i_blk, upto, b_kj, b_gj, o_k, m_k, H, HV,
-                 K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
-                 INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr):
-    """One K slice ``o_k`` of block ``i_blk`` (rows ``o_i``): its share of the A's rows
-    against the columns' K and gam rows ``b_kj``, ``b_gj`` (kept where ``upto``), and
-    its rows of Qg and Kr."""
-    m_i = o_i < T
-    m_ik = m_i[:, None] & m_k[None, :]
-    p_ik = o_i[:, None] * (HV * K) + o_k[None, :]
-    b_gm = tl.load(gam + gam_row(i_blk * BC + BC // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)
-    b_gi = tl.load(gam + gam_row(o_i, T)[:, None] * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-    b_qi = tl.load(q + o_i[:, None] * (H * K) + o_k[None, :], mask=m_ik, other=0.0).to(tl.float32) * scale
-    b_ki = tl.load(k + o_i[:, None] * (H * K) + o_k[None, :], mask=m_ik, other=0.0).to(tl.float32)
-    if store_qg:
-        tl.store(qg + p_ik, as_stored(b_qi * exp(b_gi, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_ik)
-    if store_kr:
-        b_gl = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
-        tl.store(kr + p_ik, as_stored(b_ki * exp(b_gl[None, :] - b_gi, FAST_EXP), kr,
-                                      INTERPRET).to(kr.dtype.element_ty), mask=m_ik)
-    b_ei = exp(b_gi - b_gm[None, :], FAST_EXP)
-    b_kc = tl.trans(b_kj * exp(tl.where(upto[:, None], b_gm[None, :] - b_gj, float("-inf")), FAST_EXP))
-    return tl.dot(b_ki * b_ei, b_kc, input_precision=DOT_PREC), tl.dot(b_qi * b_ei, b_kc, input_precision=DOT_PREC)

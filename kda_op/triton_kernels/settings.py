@@ -276,12 +276,10 @@ INTRA_A_ROWS_STAGES = 3
 # 0.554 -> 0.540 ms in the forward and 0.576 -> 0.544 in the backward's recompute at
 # B2-T8192-H8-HV32 (forward+backward 7.467 -> 7.435 ms), 0.152 -> 0.148 at B1-T8192-H16.
 INTRA_A_ROWS_MAXNREG = 128
-# ... or one program per two row blocks (intra_a_fwd_rows.py's PAIRS: the columns' rows of
-# K and gam loaded once for both; 96 such rows a chunk instead of 176), at these warps and
-# register cap (None: none)
-INTRA_A_ROWS_PAIRS = 0
-INTRA_A_ROWS_PAIRS_WARPS = 4
-INTRA_A_ROWS_PAIRS_MAXNREG = None
+# (One program per two row blocks, the columns' rows of K and gam loaded once for both,
+# 96 such rows a chunk instead of 176: slower on the H200 at every setting tried,
+# 2026-12-04, B2-T8192-H8-HV32 forward 1.559 -> 1.693 ms at four warps, 1.669 capped at
+# 128 registers, 1.888 at eight warps, 1.642 at two; removed, benchmarks/NOTES.md.)
 # With INTRA_A_BLOCK_REFS, the steep launch not run where no chunk can need it (fwd._no_steep_launch:
 # fla's bounded gate with |lower_bound| <= 7.375, block references on), instead of
 # always (0). On the H200 (2026-12-01, same process, fla's layer flags, 2048 packed
@@ -340,6 +338,12 @@ SCAN_STAGES_WIDE_BF16 = 2
 # other scans did at 16 (BV_SCAN_FP32_OPERANDS, the prefetch above); the interpreter's
 # bounds check finds no access outside its tensors. 0: the scan beside the prep kernel.
 SCAN_BWD_FUSED = 1
+# ... its bf16 dots only where dS_C is stored in bf16 too (BF16_DSTATES): with fp32 dS_C
+# (BF16_DSTATES = 0, bf16 A_qk, fp32 U' and states; a non-default mix) they gave an illegal
+# memory access or wrong dv / dbeta (0.28 / 0.17 off the fp64 reference) on the H200
+# (2026-12-03 and -04, Triton 3.6, K = V = 32, test_triton_bf16_inputs_match_reference's
+# bf16_dots7), where compute-sanitizer found no access outside an allocation and the
+# interpreter gives 3.4e-3; TF32 dots there (and the unfused scan) pass. Cause not found.
 SCAN_BWD_BF16_DOTS = 1
 BV_SCAN_BWD_MIN = 32
 SCAN_BWD_PER_SM = 1
