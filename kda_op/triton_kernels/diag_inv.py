@@ -1,12 +1,13 @@
 """Stage 1a' (forward, settings.INTRA_DIAG_INV_KERNEL): the inverses of the diagonal
-blocks of I + diag(beta) A_kk, one small program per block.
+blocks of I + diag(beta) A_kk, in small programs of NBLK blocks each.
 
 intra_wu_fwd.py forms Tm = (I + M)^-1, M = diag(beta) A_kk strictly lower, from the
 inverses of M's BC x BC diagonal blocks D and dots. Its own forward substitution for
-them runs BC - 1 dependent steps in each chunk's program. Here one program per
-(16-row block, chunk, batch * value head), a single warp, runs them instead: four
-times the programs in flight, each step's reductions inside one warp. The block's
-rows of A_kk are read once into registers.
+them runs BC - 1 dependent steps in each chunk's program. Here one program per (NBLK
+16-row blocks, chunk, batch * value head), a single warp, runs them instead, each
+step's reductions inside one warp; with NBLK > 1 (settings.DIAG_INV_BLOCKS) the
+blocks' substitutions run side by side, so that one step's latency covers them all.
+The blocks' rows of A_kk are read once into registers.
 
   dinv [B, T, HV, BC] fp32: row t holds row (t mod BC) of its block's (I + D)^-1;
   rows past a sequence's end are not written (intra_wu_fwd.py takes them as rows of I).

@@ -69,7 +69,7 @@ INTRA_DIAG_INV_KERNEL = 1
 DIAG_INV_WARPS = 1
 # ... and its blocks per program (1, 2 or 4), whose substitutions run side by side on one
 # warp: H200 (2026-12-04, same process, layer-style) kda_diag_inv 0.070 -> 0.039 ms at
-# B2-T8192-H8-HV32 with 4 (forward 1.600 -> 1.569 ms; 2: 0.040; 4 at two warps 0.110),
+# B2-T8192-H8-HV32 with 4 (forward 1.600 -> 1.569 ms; 2: 0.042; 4 at two warps 0.123),
 # 0.020 -> 0.013 at B1-T8192-H16.
 DIAG_INV_BLOCKS = 4
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
