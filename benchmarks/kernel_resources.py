@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_seq, qg=op, kr=op, w=op, aqk=aq, gam=f32, do=x, dht=f32, dup=f32, dchunk_states=dsc, dh0=f32,
               ds_offsets="*i64", **ints),
          dict(common, **varlen, BK=s["BK"], BV=args.scan_bv or s["BV_SCAN_BWD"], HAS_DHT=True, DOT_PREC=prec,
-              BF16_DOTS=bool(s["SCAN_BWD_BF16_DOTS"]) and aq == "*bf16"),
+              BF16_DOTS=bool(s["SCAN_BWD_BF16_DOTS"]) and aq == "*bf16" and dsc == "*bf16"),
          S.SCAN_BWD_WARPS or S.SCAN_WARPS, s["SCAN_BWD_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
          dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
