@@ -49,7 +49,7 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.RECURRENT_MAXNREG
     if fn.__name__ == "kda_intra_a_fwd_rows_kernel" and S.INTRA_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_A_ROWS_MAXNREG
-    if fn.__name__ == "kda_intra_wu_fwd_kernel" and S.INTRA_WU_FWD_MAXNREG:
+    if fn.__name__ == "kda_intra_wu_fwd_kernel" and S.INTRA_WU_FWD_MAXNREG and num_warps == S.INTRA_WU_FWD_WARPS_BF16:
         options["maxnreg"] = S.INTRA_WU_FWD_MAXNREG
     if fn.__name__ == "kda_intra_bwd_a_rows_kernel" and S.INTRA_BWD_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_BWD_A_ROWS_MAXNREG

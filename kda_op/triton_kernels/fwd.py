@@ -158,7 +158,10 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             akk, beta, dinv, *s["VL_CHUNK"], T, NC, H=s["H"], HV=HV, BT=BT, BC=BC, IS_VARLEN=s["IS_VARLEN"],
             NBLK=S.DIAG_INV_BLOCKS, num_warps=S.DIAG_INV_WARPS,
         )
-    wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if q.dtype == torch.bfloat16 and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS
+    two_warp_bf16 = q.dtype == torch.bfloat16 and s["BK"] <= 128
+    wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if two_warp_bf16 else S.INTRA_WU_FWD_WARPS
+    # the register cap was measured on the two-warp bf16 path only
+    wu_cap = S.INTRA_WU_FWD_MAXNREG if two_warp_bf16 else None
     for tiling in tilings:
         _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
             k, v, beta, gam, akk, dinv, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=diag_inv,
@@ -166,7 +169,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             W_FIRST=w_first, FAST_EXP=_fast_exp(), **tiling, num_warps=wu_warps,
-            **(dict(maxnreg=S.INTRA_WU_FWD_MAXNREG) if S.INTRA_WU_FWD_MAXNREG else {}),
+            **(dict(maxnreg=wu_cap) if wu_cap else {}),
         )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 

@@ -30,12 +30,14 @@ INTRA_WU_FWD_WARPS = 4
 # grads to four warps 3e-5). Not at fp32 or K = 256, where two warps spill
 # kilobytes (benchmarks/kernel_resources.py).
 INTRA_WU_FWD_WARPS_BF16 = 2
-# A cap on intra_wu_fwd's registers per thread (None: the compiler's choice, 210 at two
-# warps forward-only, four CTAs an SM). H200 (2026-12-04, same process, layer-style, with
-# the diagonal inverses one block a program): 168 (108 B spilled, six CTAs) took it 0.347 ->
-# 0.331 ms at B2-T8192-H8-HV32 and 0.095 -> 0.092 at B1-T8192-H16; 128 (536 B) 0.414. Not
-# yet timed beside DIAG_INV_BLOCKS = 4, so not on.
-INTRA_WU_FWD_MAXNREG = None
+# A cap on intra_wu_fwd's registers per thread on its two-warp bf16 path (None: the
+# compiler's choice, 210 forward-only, four CTAs an SM). H200, same process, layer-style:
+# 168 (108 B spilled, six CTAs) took it 0.347 -> 0.331 ms at B2-T8192-H8-HV32 and 0.095 ->
+# 0.092 at B1-T8192-H16 (2026-12-04, one-block inverses); beside DIAG_INV_BLOCKS = 4
+# (2026-12-04, 25th session, kernels by GPU time) B2 forward 1.563 -> 1.551 ms wall,
+# varlen-2048x1-64 intra_wu_fwd 0.982 -> 0.909, forward 3.866 -> 3.798 ms wall. 128 (536 B
+# spilled) 0.414 ms, slower.
+INTRA_WU_FWD_MAXNREG = 168
 INTRA_BWD_W_WARPS = 8  # with BKS_W = 64; at 4 warps it spilled 2.4 KB
 INTRA_BWD_WARPS = 8  # 4 -> 8 on 2026-12-03 (see INTRA_BWD_BF16_DAQK)
 INTRA_BWD_A_WARPS = 4
