@@ -25,6 +25,7 @@ import json
 import math
 import re
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -33,6 +34,7 @@ COPY_TBS = 4.27  # measured device-to-device copy, TB/s
 BF16_TFLOPS = 670.0  # measured bf16 dots, TFLOP/s (low end of 670-790)
 TF32_TFLOPS = BF16_TFLOPS / 2  # assumed: half of bf16 (not measured)
 BT = 64  # the kernels' chunk length
+BC = 16  # the row blocks of the diagonal inverses and of the by-row-block kernels
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,11 @@ class Shape:
     references (four dots a K slice instead of one; nearly all with the layer's
     gate). ``initial_state``: each sequence has one; ``final_state_grad``: the
     loss reads the final states (dht). Without them the kernels skip the zero state
-    terms (S0 of a sequence's first chunk, dS_C of its last): counted here too."""
+    terms (S0 of a sequence's first chunk, dS_C of its last): counted here too.
+    ``final_state``: the call returns the final states (``output_final_state``; fla's
+    layer trains without). ``packed``: one call over packed sequences (cu_seqlens),
+    whose chunk states without initial states are compact (only those entering a
+    sequence's chunks after its first; ``_contract.varlen_state_slots``)."""
 
     lengths: tuple
     H: int
@@ -55,6 +61,8 @@ class Shape:
     block_refs: float = 0.0
     initial_state: bool = False
     final_state_grad: bool = False
+    final_state: bool = True
+    packed: bool = False
 
 
 def shape_of(case: dict) -> Shape:
@@ -63,7 +71,8 @@ def shape_of(case: dict) -> Shape:
     return Shape(lengths=lengths, H=case["H"], HV=case["HV"], K=case.get("K", 128), V=case.get("V", 128),
                  layer=case.get("layer", False), block_refs=case.get("block_refs", 0.0),
                  initial_state=case.get("initial_state", False),
-                 final_state_grad=case.get("final_state_grad", False))
+                 final_state_grad=case.get("final_state_grad", False),
+                 final_state=case.get("final_state", True), packed="lengths" in case)
 
 
 def kernel_costs(s: Shape) -> dict:
@@ -93,16 +102,31 @@ def kernel_costs(s: Shape) -> dict:
     # ... and the rows (token-heads) of those chunks
     rows_s0 = tok if s.initial_state else (tokens - sum(min(n, BT) for n in s.lengths)) * HV
     rows_either = tok if (s.initial_state or s.final_state_grad) else sum(n for n in s.lengths if n > BT) * HV
+    # the forward scan: the chunk states it stores (bf16), and the chunks whose leaving
+    # state anything reads (a one-chunk packed sequence without states needs none)
+    compact = s.packed and not s.initial_state
+    stored_states = chunks - seqs if compact else chunks + seqh
+    leaving = chunks - seqs if (compact and not s.final_state) else chunks
     costs = {
         "kda_gam_fwd_kernel": (g_bytes + tok * K * f4, 0, "-"),
         "kda_intra_a_fwd_kernel": (2 * qk + tok * K * f4 + tok * BT * (f4 + bf) + 2 * tok * K * bf,
                                    chunks * a_dots, "tf32"),
-        "kda_intra_wu_fwd_kernel": (tok * BT * f4 + qk + tok * K * f4 + tok * V * bf + tok * bf
+        # ... by row blocks (settings.INTRA_A_ROW_PROGRAMS): the same tensors; block b's dots
+        # span the columns up to its end rounded up to a power of two (16, 32, 64, 64)
+        "kda_intra_a_fwd_rows_kernel": (2 * qk + tok * K * f4 + tok * BT * (f4 + bf) + 2 * tok * K * bf,
+                                        chunks * 2 * 2 * BC * K * (BC + 2 * BC + BT + BT), "tf32"),
+        # reads the diagonal BC x BC blocks of A_kk (fp32) and beta, writes their inverses
+        # (fp32); forward substitutions, no dots
+        "kda_diag_inv_kernel": (tok * BC * f4 + tok * bf + tok * BC * f4, 0, "-"),
+        # A_kk, k, gam, v, beta, the diagonal inverses in; W, U (bf16), Tm (fp32) out
+        "kda_intra_wu_fwd_kernel": (tok * BT * f4 + qk + tok * K * f4 + tok * V * bf + tok * bf + tok * BC * f4
                                     + tok * K * bf + tok * V * bf + tok * BT * f4,
                                     chunks * (3 * 2 * BT ** 3 + 2 * BT * BT * (K + V)), "tf32"),
+        # Kr, W, U, h0 in; U', the chunk states and the final states (fp32) out; W S where
+        # there is an entering state, Kr^T U' where the leaving one is wanted
         "kda_state_fwd_kernel": (2 * tok * K * bf + tok * V * bf + h0 + tok * V * bf
-                                 + (chunks + seqh) * state * bf + seqh * state * f4,
-                                 chunks * 2 * 2 * BT * K * V, "bf16"),
+                                 + stored_states * state * bf + (seqh * state * f4 if s.final_state else 0),
+                                 (with_s0 + leaving) * 2 * BT * K * V, "bf16"),
         "kda_output_fwd_kernel": (tok * BT * bf + tok * V * bf + rows_s0 * K * bf + with_s0 * state * bf + tok * V * bf,
                                   with_s0 * 2 * BT * K * V + chunks * 2 * BT * BT * V, "bf16"),
         # Qg^T dO only where dS entering the chunk is wanted (not a first chunk without h0)
@@ -129,6 +153,15 @@ def kernel_costs(s: Shape) -> dict:
         "kda_intra_bwd_a_kernel": (2 * qk + tok * K * f4 + 2 * tok * BT * f4 + 3 * tok * K * f4
                                    + (g_bytes if s.layer else 0) + 2 * tok * K * f4 + g_bytes,
                                    chunks * 4 * 2 * BT * BT * K * (1 + 3 * s.block_refs), "tf32"),
+        # ... by row blocks (settings.INTRA_BWD_A_ROW_PROGRAMS): q, k, gam and both dA's in,
+        # dq, dk, d(gam) (fp32) read and written back; per block two dots over its rows and
+        # two over its columns, each [BC, BT] x [BT, K]
+        "kda_intra_bwd_a_rows_kernel": (2 * qk + tok * K * f4 + 2 * tok * BT * f4 + 2 * 3 * tok * K * f4,
+                                        chunks * (BT // BC) * 4 * 2 * BC * BT * K, "tf32"),
+        # d(gam) and each chunk's dGam in, the raw gate (layer), dg out in the gate's dtype
+        # and the gate's per-chunk partial sums (fp32); a cumulative sum, no dots
+        "kda_dg_of_chunk_kernel": (tok * K * f4 + chunks * K * f4 + (g_bytes if s.layer else 0) + g_bytes
+                                   + (2 * chunks * K * f4 if s.layer else 0), 0, "-"),
         "kda_gva_reduce_kernel": (2 * tok * K * f4 + 2 * qk, 0, "-"),
     }
     if s.layer:
@@ -196,6 +229,14 @@ def rows_for(shape: Shape, times_ms: dict) -> list:
     return sorted(rows, key=lambda r: -r.ms)
 
 
+def unmodelled_ms(shape: Shape, times_ms: dict) -> dict:
+    """The measured kernels that kernel_costs has no model for (torch's own fills and
+    reductions, the packed index): {name: ms}, so that the table's sum is read
+    against the whole step."""
+    costs = kernel_costs(shape)
+    return {name: ms for name, ms in times_ms.items() if name not in costs}
+
+
 def table(rows: Sequence[Row]) -> str:
     """A markdown table of the rows and their sum."""
     out = ["| kernel | ms | GB (model) | TB/s | of copy ceiling | GFLOP | TFLOP/s | dots | of dot ceiling "
@@ -245,9 +286,10 @@ def plot(rows: Sequence[Row], title: str, out: str, footer: str = "") -> Path:
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize=8)
     ax.set_title(title, fontsize=10)
+    footer = "\n".join(textwrap.wrap(footer, 170))  # a long source line would run off the figure
     fig.text(0.01, 0.01, f"{footer}\ncopy ceiling {COPY_TBS} TB/s (the slope); point size: GPU time; "
              "kernels without dots are not drawn", fontsize=7, color="0.4")
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path = Path(out)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -268,6 +310,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     rows = rows_for(shape_of(case), case["ours_ms"])
     print(f"{args.case}: {case['source']}")
     print(table(rows))
+    unmodelled = unmodelled_ms(shape_of(case), case["ours_ms"])
+    if unmodelled:
+        print("not in the table (no cost model): " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in unmodelled.items()))
     if args.out:
         plot(rows, f"kda-op's kernels, one training step, {args.case}", args.out, footer=case["source"])
         print(f"wrote {args.out}")
