@@ -30,7 +30,7 @@ from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
 from kda_op.triton_kernels import settings as S
 from kda_op.triton_kernels._host import _INDEX_SEQS, _INDEX_SLOTS, _dot_precision, _sizes, _steep_dot_precision
-from kda_op.triton_kernels.settings import BC, BKD, BKD_A, BT, MAX_SPLIT
+from kda_op.triton_kernels.settings import BC, BT, MAX_SPLIT
 
 TARGET = GPUTarget("cuda", 90, 32)
 PTXAS = ptxas_path(TARGET.arch)
@@ -261,18 +261,18 @@ def main(argv: list[str] | None = None) -> int:
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=S.BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
               STEEP_DOT_PREC=steep_prec, FAST_EXP=bool(S.FAST_EXP)), S.INTRA_BWD_A_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD, STEEP=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=S.BKD, STEEP=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
               BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), STEEP_DOT_PREC=steep_prec,
               ROW_BLOCK_DOTS=bool(S.INTRA_BWD_A_ROW_BLOCK_DOTS)), 4, 3),
         # the backward through the A's by row blocks, then dg (settings.INTRA_BWD_A_ROW_PROGRAMS)
         (intra_bwd_a_rows.kda_intra_bwd_a_rows_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dq=f32, dk=f32, dgam=f32, scale="fp32", **ints),
-         dict(**varlen, K=K, BT=BT, BC=BC, BKD=BKD_A, DOT_PREC=prec,
+         dict(**varlen, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec,
               FAST_EXP=bool(S.FAST_EXP) and bool(S.INTRA_BWD_A_ROWS_FAST_EXP)),
          S.INTRA_BWD_A_ROWS_WARPS, 3),
         (intra_bwd_a_rows.kda_dg_of_chunk_kernel,
