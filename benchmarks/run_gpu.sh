@@ -15,6 +15,9 @@
 #                                      # host time and the flags rows against fla (ours and the
 #                                      # variants, nothing beside), then the kernels' CUDA tests
 #   bash benchmarks/run_gpu.sh kernel-tests   # test_cuda.py and test_triton_kernels.py alone
+#   bash benchmarks/run_gpu.sh groups-a   # every GPU test but the chunked kernels' big groups and
+#   bash benchmarks/run_gpu.sh groups-b   # the comparisons with fla, then those (two calls of
+#                                      # about 480 s each; twenty-fifth session)
 #   VARIANTS="A=1" bash benchmarks/run_gpu.sh serve  # the pool and serving tests, steep-kernel tests,
 #                                      # bench_pool.py, serve_demo on CUDA, the layer row
 #   bash benchmarks/run_gpu.sh cp      # (nvidia-h200-x2) context parallel: cp_demo --check, bench_cp.py
@@ -179,6 +182,48 @@ kernel-tests)
     # test_cuda.py's four fp32 tests alone took 300 s, twelfth session)
     step "CUDA tests of the chunked kernels, nothing else running"
     chunked_kernel_tests "${TEST_LIMIT:-540}" -v 1 2 3 4
+    collect_tests
+    ;;
+groups-a)
+    # One call (474 s on 2026-12-04): test_cuda.py but its fp32 cases, test_model.py in three
+    # processes (its AOTI tests take about 160 s each), train_demo then test_long_context.py,
+    # and every other file's GPU cases; test_fla_options.py and test_layer.py but their
+    # comparisons with fla (groups-b: fla autotunes each new test shape for minutes).
+    step "GPU test groups (a)"
+    L=${TEST_LIMIT:-470}
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_cuda.py -k "not fp32" > "$TLOGS/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_fla_options.py tests/test_layer.py \
+        -k "not matches_fla and not graph_captures" > "$TLOGS/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "not aoti" > "$TLOGS/t3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "aoti_package" > "$TLOGS/t4.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_model.py -k "export_and_aoti" > "$TLOGS/t5.txt" 2>&1 &
+    (timeout 200 python3 -m kda_op.train_demo > "$TLOGS/t6.txt" 2>&1
+     timeout 250 python3 -m pytest -v -s -ra --tb=short tests/test_long_context.py >> "$TLOGS/t6.txt" 2>&1) &
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/ --ignore=tests/test_cuda.py --ignore=tests/test_model.py \
+        --ignore=tests/test_triton_kernels.py --ignore=tests/test_fla_options.py --ignore=tests/test_layer.py \
+        --ignore=tests/test_long_context.py --ignore=tests/test_kernel_resources.py -m gpu > "$TLOGS/t7.txt" 2>&1 &
+    collect_tests
+    ;;
+groups-b)
+    # One call (489 s on 2026-12-04): the comparisons with fla in processes of their own (470 s
+    # and 275 s), test_triton_kernels.py's bf16 / every-path / varlen / short-tile cases, the rest
+    # of test_triton_kernels.py, and test_cuda.py's fp32 cases one process each (35 s each alone;
+    # four in one process took 300 s beside other groups).
+    step "GPU test groups (b)"
+    L=${TEST_LIMIT:-520}
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_fla_options.py -k "matches_fla or graph_captures" \
+        > "$TLOGS/t1.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -v -ra --tb=short tests/test_layer.py -k "matches_fla" > "$TLOGS/t2.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py \
+        -k "bf16_inputs or every_path or varlen or short_tiles" > "$TLOGS/t3.txt" 2>&1 &
+    timeout "$L" python3 -m pytest -q -ra --tb=short tests/test_triton_kernels.py \
+        -k "not (bf16_inputs or every_path or varlen or short_tiles)" > "$TLOGS/t4.txt" 2>&1 &
+    i=5
+    for id in 1-1000-2-1-128-128 2-300-2-2-96-80 2-129-2-4-64-64 1-200-1-2-256-256; do  # test_cuda.SHAPES
+        timeout "$L" python3 -m pytest -q -ra --tb=short -p no:cacheprovider \
+            "tests/test_cuda.py::test_cuda_fp32_matches_reference[$id]" > "$TLOGS/t$i.txt" 2>&1 &
+        i=$((i + 1))
+    done
     collect_tests
     ;;
 flags-check)
@@ -391,7 +436,7 @@ explore)
     fi
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|bench|flags|serve|flags-verify|flags-check|variant-verify|settings-time|settings-confirm|cp|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|groups-a|groups-b|bench|flags|serve|flags-verify|flags-check|variant-verify|settings-time|settings-confirm|cp|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"
