@@ -42,18 +42,20 @@ def copy_ceiling_bytes_per_s() -> float:
 
 
 def same_size_copy_ms(numel: int) -> float:
-    """Graph-replay median of a device-to-device copy of ``numel`` fp32 values: the
-    bytes a decode step's states move (read once, written once) at the size of the
-    step, with the launch, ramp-up and tail that a copy of that size pays too. The
-    2 GiB copy of copy_ceiling_bytes_per_s pays them once for 30 times the bytes; a
-    step at B = 64 cannot reach its rate, this says how near a plain copy gets."""
+    """Graph-replay median of a copy kernel over ``numel`` fp32 values (``torch.mul``
+    by 1 into another buffer): the bytes a decode step's states move (read once,
+    written once) at the size of the step, with the launch, ramp-up and tail that a
+    kernel of that size pays too. The 2 GiB copy of copy_ceiling_bytes_per_s pays
+    them once for far more bytes. Not ``copy_``: captured in a graph, it became a
+    memcpy node that moved 1.07 GB at 2.7 TB/s on the H200 (2026-12-04), slower
+    than any kernel."""
     src = torch.empty(numel, device="cuda", dtype=torch.float32).uniform_()
     dst = torch.empty_like(src)
-    dst.copy_(src)
+    torch.mul(src, 1.0, out=dst)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        dst.copy_(src)
+        torch.mul(src, 1.0, out=dst)
     return triton.testing.do_bench(graph.replay, warmup=50, rep=300, return_mode="median")
 
 
@@ -117,7 +119,7 @@ def main() -> int:
                       flush=True)
         nan = float("nan")
         copy_ms = same_size_copy_ms(B * HV * K * V)
-        print(f"B={B} HV={HV}: a copy of the state's bytes, CUDA graph {copy_ms * 1e3:.1f} us", flush=True)
+        print(f"B={B} HV={HV}: a copy kernel over the state's bytes, CUDA graph {copy_ms * 1e3:.1f} us", flush=True)
         rows.append((B, HV, H, res["ours"], res.get("fla", nan), graphed["ours"], graphed.get("fla", nan),
                      state_bytes / (graphed["ours"] * 1e-3), copy_ms))
 

@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
          dict(**varlen, K=K, BT=BT, BKD=S.DG_OF_CHUNK_BK, **gate), S.DG_OF_CHUNK_WARPS, 3),
         (recurrent_fwd.kda_recurrent_fwd_kernel,
          dict(cu_seqlens="*i64", q=x, k=x, v=x, g=graw, beta=x, h0=f32, o=x, ht=f32, **gate_sig, scale="fp32", T="i32", H="i32",
-              HV="i32", slots="*i64", accepted="*i64", slots_stride="i32", n_tiles="i32"),
+              HV="i32", slots="*i64", accepted="*i64", slots_stride="i32"),
          dict(**varlen, K=K, V=V, BK=s["BK"], BV=S.RECURRENT_BV, HAS_H0=True, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
               INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), **gate),
          S.RECURRENT_WARPS, 3),

@@ -135,37 +135,6 @@ def test_triton_recurrent_cache_hints_change_no_result(setting, monkeypatch):
 
 @pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="no GPU and TRITON_INTERPRET is not set")
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-@pytest.mark.parametrize("with_h0,packed", [(True, False), (False, False), (True, True)])
-def test_triton_recurrent_persistent_programs_give_the_same_result(prefetch, with_h0, packed, monkeypatch):
-    """settings.RECURRENT_PERSISTENT (programs walking several tiles, loading the next
-    tile's state early) against one program a tile: the same o and final state,
-    with and without an initial state, for packed sequences too, ragged V blocks."""
-    pytest.importorskip("triton")
-    from kda_op.triton_kernels import kda_recurrent_fwd_triton, settings
-
-    inputs = make_inputs(B=1 if packed else 3, T=7 if packed else 2, H=2, G=2, K=24, V=40, dtype=torch.float32,
-                         with_initial_state=with_h0, seed=29)
-    args = [inputs[n].to(DEVICE) for n in NAMES]
-    cu = torch.tensor([0, 3, 3, 7], device=DEVICE) if packed else None
-    h0 = inputs["initial_state"] if with_h0 else None
-    if h0 is not None:
-        h0 = (h0[:1].expand(3, -1, -1, -1) * torch.tensor([1.0, -0.5, 2.0])[:, None, None, None]).to(DEVICE)
-    monkeypatch.setattr(settings, "RECURRENT_BV", 16)
-    monkeypatch.setattr(settings, "RECURRENT_PERSISTENT", 0)
-    want = kda_recurrent_fwd_triton(*args, None, h0, cu_seqlens=cu)
-    monkeypatch.setattr(settings, "RECURRENT_PERSISTENT", 1)
-    monkeypatch.setattr(settings, "RECURRENT_PREFETCH", prefetch)
-    got = kda_recurrent_fwd_triton(*args, None, h0, cu_seqlens=cu)
-    for a, b in zip(got, want):
-        if DEVICE == "cpu":  # the interpreter: the same operations in the same order
-            assert torch.equal(a, b)
-        else:  # compiled apart, the two loops may contract multiply-adds differently
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.skipif(DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
-                    reason="no GPU and TRITON_INTERPRET is not set")
 def test_triton_recurrent_final_state_over_the_initial_one():
     """The recurrent kernel's host function writing the final state into the
     initial state's own buffer (final_state_out, what the decode benchmark's

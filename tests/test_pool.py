@@ -391,39 +391,3 @@ def test_cuda_graph_replays_pooled_decode_steps():
                                              ssm_state_indices=static_idx.clone(), inplace_final_state=True)
             torch.testing.assert_close(static_o, o_eager, rtol=0, atol=0)  # the same kernel on the same bytes
             torch.testing.assert_close(pool, eager_pool, rtol=0, atol=0)
-
-
-@pytest.mark.skipif(not TRITON_HERE, reason="needs CUDA or TRITON_INTERPRET=1")
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-@pytest.mark.parametrize("lengths,packed,slots,nat", CASES)
-def test_triton_persistent_pool_programs_give_the_same_step(lengths, packed, slots, nat, prefetch, monkeypatch):
-    """settings.RECURRENT_PERSISTENT (programs walking several tiles, loading the next
-    tile's slot and state early) against one program a tile: the same o and pool,
-    padding rows, per-token slots and packed sequences included."""
-    from kda_op.triton_kernels import kda_recurrent_pool_triton, settings
-
-    H, G, K, V, S = 2, 2, 16, 40, 10  # V = 40: three V blocks of 16, the last ragged
-    x, cu = _inputs(lengths, H, G, K, V, torch.float32, seed=len(lengths) + 23, packed=packed)
-    pool = torch.randn(S, H * G, K, V, generator=torch.Generator().manual_seed(8)).to(DEVICE)
-    idx = torch.tensor(slots).to(DEVICE)
-    nat_t = None if nat is None else torch.tensor(nat, dtype=torch.int32).to(DEVICE)
-    dev = {n: t.to(DEVICE) for n, t in x.items()}
-    cu = None if cu is None else cu.to(DEVICE)
-    monkeypatch.setattr(settings, "RECURRENT_BV", 16)
-
-    def step():
-        p = pool.clone()
-        o = kda_recurrent_pool_triton(dev["q"], dev["k"], dev["v"], dev["g"], dev["beta"], None, p, idx, nat_t,
-                                      cu_seqlens=cu)
-        return o, p
-
-    monkeypatch.setattr(settings, "RECURRENT_PERSISTENT", 0)
-    want = step()
-    monkeypatch.setattr(settings, "RECURRENT_PERSISTENT", 1)
-    monkeypatch.setattr(settings, "RECURRENT_PREFETCH", prefetch)
-    got = step()
-    for a, b in zip(got, want):
-        if DEVICE == "cpu":  # the interpreter: the same operations in the same order
-            assert torch.equal(a, b)
-        else:  # compiled apart, the two loops may contract multiply-adds differently
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -6,7 +6,6 @@ Tuning settings (RECURRENT_*) are read from settings.py at every call.
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -15,27 +14,6 @@ from torch import Tensor
 from . import settings as S
 from ._host import _cdiv, _check_grid, _check_offsets, _gate_args, _pow2
 from .recurrent_fwd import kda_recurrent_fwd_kernel
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _grid(device: torch.device, V: int, BV: int, sequences_heads: int) -> tuple[tuple[int, ...], dict]:
-    """The recurrent kernel's grid and its tiling constexprs: one program a tile (V
-    block, sequence * value head), or under settings.RECURRENT_PERSISTENT that many
-    programs per multiprocessor walking the tiles (3 in all on CPU tensors under the
-    interpreter, enough to walk several tiles each)."""
-    n_tiles = _cdiv(V, BV) * sequences_heads
-    if not S.RECURRENT_PERSISTENT:
-        return (_cdiv(V, BV), sequences_heads), dict(n_tiles=n_tiles)
-    if S.RECURRENT_PREFETCH not in (0, 1, 2):
-        raise ValueError(f"settings.RECURRENT_PREFETCH: expected 0, 1 or 2, got {S.RECURRENT_PREFETCH!r}")
-    per_device = 3 if device.type != "cuda" else _multiprocessors(device.index if device.index is not None
-                                                                  else torch.cuda.current_device())
-    programs = min(n_tiles, per_device * (1 if device.type != "cuda" else int(S.RECURRENT_PERSISTENT)))
-    return (programs,), dict(n_tiles=n_tiles, PERSISTENT=True, PREFETCH=int(S.RECURRENT_PREFETCH))
 
 
 def kda_recurrent_fwd_triton(
@@ -74,10 +52,9 @@ def kda_recurrent_fwd_triton(
     # Small V blocks: more programs in flight to hide the state's memory traffic.
     BV = min(S.RECURRENT_BV, max(16, _pow2(V)))
     ga = _gate_args(gate, g)
-    grid, tiling = _grid(q.device, V, BV, N * HV)
-    kda_recurrent_fwd_kernel[grid](
+    kda_recurrent_fwd_kernel[(_cdiv(V, BV), N * HV)](
         q, k, v, g, beta, h0 if h0 is not None else ht, o, ht, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
-        q if cu_seqlens is None else cu_seqlens.contiguous(), scale, T, H, HV, q, q, 1, **tiling,
+        q if cu_seqlens is None else cu_seqlens.contiguous(), scale, T, H, HV, q, q, 1,
         K=K, V=V, BK=BK, BV=BV, HAS_H0=h0 is not None, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
         INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
         IS_VARLEN=cu_seqlens is not None,
@@ -108,12 +85,11 @@ def kda_recurrent_pool_triton(
     BK = max(16, _pow2(K))
     BV = min(S.RECURRENT_BV, max(16, _pow2(V)))
     ga = _gate_args(gate, g)
-    grid, tiling = _grid(q.device, V, BV, N * HV)
-    kda_recurrent_fwd_kernel[grid](
+    kda_recurrent_fwd_kernel[(_cdiv(V, BV), N * HV)](
         q, k, v, g, beta, pool, o, pool, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
         q if cu_seqlens is None else cu_seqlens.contiguous(), scale, T, H, HV,
         slots, slots if num_accepted_tokens is None else num_accepted_tokens.contiguous(),
-        slots.shape[1] if slots.dim() == 2 else 1, **tiling,
+        slots.shape[1] if slots.dim() == 2 else 1,
         K=K, V=V, BK=BK, BV=BV, HAS_H0=True, STREAM_HINTS=bool(S.RECURRENT_STREAM_HINTS),
         INPUT_HINTS=bool(S.RECURRENT_INPUT_HINTS), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
         IS_VARLEN=cu_seqlens is not None,

@@ -480,12 +480,6 @@ RECURRENT_STREAM_HINTS = 0
 # 74.2-74.4), B = 256 278.4 -> 269.7 us; the same bits. With them, two warps
 # (73.4), BV 64 (74.9) and BV 16 (82.7) were slower at B = 64.
 RECURRENT_INPUT_HINTS = 1
-# Persistent recurrent programs (recurrent_fwd.py): 0, one program a tile (V block,
-# sequence * value head); n, n programs per multiprocessor walking the tiles, each
-# loading the next tile's pool slot (RECURRENT_PREFETCH 1) and also its state (2)
-# while it works on the current one. Not yet timed on the H200.
-RECURRENT_PERSISTENT = 0
-RECURRENT_PREFETCH = 2
 
 # The steep-path kernels (kda_intra_a_fwd_steep_kernel, kda_intra_bwd_a_kernel with
 # STEEP) on fp32 inputs use IEEE fp32 dots. Measured on the H200 (triton 3.6,
