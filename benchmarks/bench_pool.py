@@ -57,6 +57,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--settings", nargs="*", default=[],
                         help="settings.py RECURRENT_* settings to time ours under after the table")
+    parser.add_argument("--layout-probe", action="store_true",
+                        help="also time ours on a pool of B slots taken in order (no indirection to hide)")
     args = parser.parse_args()
     from kda_op import fused_recurrent_kda
 
@@ -105,11 +107,30 @@ def main() -> int:
     print(table)
     if args.settings:
         time_settings(impls["ours"], args.settings, ceiling)
+    if args.layout_probe:
+        time_layout_probe(impls["ours"], ceiling)
     if args.out:
         with open(args.out, "w") as f:
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_pool.py --impl {args.impl} --out {args.out}`\n\n"
                     f"{table}\n")
     return 0
+
+
+def time_layout_probe(ours, ceiling) -> None:
+    """Ours on a pool of exactly B slots with slot n for sequence n (the states of
+    plain decode, in order, read through the indices) and on the same pool with the
+    slots shuffled: what the random placement in a 4 x B pool costs beside the
+    indirection itself."""
+    with torch.no_grad():
+        for B, HV, H in SHAPES:
+            x, pool0, _ = make_step_inputs(B, HV, H)
+            pool = pool0[:B].clone()
+            state_bytes = 2 * B * HV * K * V * 4
+            for label, idx in (("B slots in order", torch.arange(B, device="cuda", dtype=torch.int32)),
+                               ("B slots shuffled", torch.randperm(B, device="cuda").to(torch.int32))):
+                ms = graph_ms(lambda idx=idx: ours(x, pool, idx))
+                print(f"B={B} HV={HV} pool {B} [{label}]: CUDA graph {ms * 1e3:.1f} us, "
+                      f"{state_bytes / (ms * 1e-3) / ceiling:.0%} of the copy ceiling", flush=True)
 
 
 def time_settings(ours, settings, ceiling) -> None:
