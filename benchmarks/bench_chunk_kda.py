@@ -17,6 +17,7 @@ import argparse
 import collections
 import contextlib
 import datetime
+import re
 import statistics
 import sys
 
@@ -137,8 +138,8 @@ def main() -> int:
     parser.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     parser.add_argument("--kernels", action="store_true",
                         help="also print each implementation's kernels by GPU time (forward, then forward+backward)")
-    parser.add_argument("--seq-lens", type=int, nargs="+", default=[8192],
-                        help="sequence lengths to time each shape at (the standard shapes use 8192)")
+    parser.add_argument("--seq-lens", type=int, nargs="+", default=None,
+                        help="sequence lengths to time each shape at (default: each shape's own T, as its name says)")
     parser.add_argument("--csv", default=None,
                         help="also write every timing as CSV (what profiling/plot_benchmark.py plots)")
     parser.add_argument("--rounds", type=int, default=3,
@@ -174,8 +175,11 @@ def main() -> int:
     unknown = set(args.shapes) - {name for name, *_ in SHAPES}
     if unknown:
         raise SystemExit(f"unknown shapes {sorted(unknown)}; the standard ones are {[n for n, *_ in SHAPES]}")
-    cases = [(name.replace("T8192", f"T{T}"), B, T, H, HV) for name, B, _, H, HV in SHAPES
-             if name in args.shapes for T in args.seq_lens]
+    # each shape at its own T, or at each of --seq-lens (renamed to say so). Before
+    # 2026-12-04 every shape ran at the default 8192: "B1-T32768-H16" rows were T = 8192.
+    cases = [(re.sub(r"-T\d+-", f"-T{T}-", name), B, T, H, HV) for name, B, T0, H, HV in SHAPES
+             if name in args.shapes for T in (args.seq_lens or [T0])]
+    cases = list(dict.fromkeys(cases))  # B1-T8192 and B1-T32768 at one --seq-lens are one case
     if args.mode == "varlen":
         cases = [(name, 1, None, VARLEN_H, VARLEN_H) for name in ("varlen-mixed-T8192", "varlen-2048x1-64")]
     for name, B, T, H, HV in cases:
@@ -327,7 +331,8 @@ def write_table(rows, args, fla_version, csv_rows) -> None:
         with open(args.csv, "w") as f:
             f.write(f"# {meta}\n# python benchmarks/bench_chunk_kda.py --impl {args.impl} "
                     f"--shapes {' '.join(args.shapes)} --rounds {args.rounds} "
-                    f"--seq-lens {' '.join(map(str, args.seq_lens))} --csv {args.csv}\n")
+                    f"{'--seq-lens ' + ' '.join(map(str, args.seq_lens)) + ' ' if args.seq_lens else ''}"
+                    f"--csv {args.csv}\n")
             f.write("shape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n" + "\n".join(csv_rows) + "\n")
     if args.out:
         with open(args.out, "w") as f:
