@@ -415,6 +415,41 @@ def test_triton_backward_through_the_as_in_one_launch(gated, decay, monkeypatch)
         kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d)
 
 
+def test_triton_backward_through_the_as_takes_one_launch_for_packed_sequences_only(monkeypatch):
+    """settings.INTRA_BWD_A_ONE_LAUNCH = 2 (the default): the per-chunk backward
+    through the A's in one launch for packed sequences, in a launch per kind of chunk
+    for fixed-length ones (fewer registers a program there, more in flight), with
+    bitwise the grads of the other choice; values other than 0, 1, 2 are refused."""
+    from kda_op.triton_kernels import bwd, settings
+
+    assert settings.INTRA_BWD_A_ONE_LAUNCH == 2
+    monkeypatch.setattr(settings, "INTRA_BWD_A_ROW_PROGRAMS", 0)
+    lengths = [70, 130]
+    cu, (q, k, v, g, beta), _, do = _packed_problem(lengths, 47, False, 10.0)
+    launches = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_kernel",
+               lambda kw: launches.append((kw["STEEP"], kw.get("ONE_LAUNCH", False))))
+    for packed in (True, False):
+        if packed:
+            x, cu_d, dO = (q, k, v, g, beta), cu.to(DEVICE), do
+        else:  # the second sequence alone, as a batch of one
+            x, cu_d, dO = (t[:, 70:] for t in (q, k, v, g, beta)), None, do[:, 70:]
+        args = [t.to(DEVICE) for t in x] + [None, None]
+        o, _, cs, kept = kda_fwd_triton(*args, True, cu_seqlens=cu_d, output_final_state=False)
+        grads = {}
+        for setting in (2, 0 if packed else 1):
+            monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", setting)
+            launches.clear()
+            grads[setting] = kda_bwd_triton(*args, cs, dO.to(DEVICE), None, kept, cu_seqlens=cu_d)
+            one = setting == 1 or (setting == 2 and packed)
+            assert launches == ([(False, True)] if one else [(False, False), (True, False)]), (packed, setting)
+        for i, (a, b) in enumerate(zip(*grads.values())):
+            assert torch.equal(a, b), (packed, i)
+    monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", 3)
+    with pytest.raises(ValueError, match="INTRA_BWD_A_ONE_LAUNCH"):
+        kda_bwd_triton(*args, cs, dO.to(DEVICE), None, kept, cu_seqlens=cu_d)
+
+
 @pytest.mark.parametrize("T", [2 * CHUNK_SIZE + 7, CHUNK_SIZE + 40])  # 40: a block cut by T
 def test_triton_tm_row_loads(T, monkeypatch):
     """intra_wu_fwd's other way to its forward substitution (settings.TM_ROW_LOADS =

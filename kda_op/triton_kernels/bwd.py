@@ -28,6 +28,15 @@ from .settings import BC, BT, MAX_SPLIT
 from .state_bwd import kda_state_bwd_fused_kernel, kda_state_bwd_kernel, kda_state_bwd_prep_kernel
 
 
+def _one_launch_serves(packed: bool) -> bool:
+    """Whether the per-chunk backward through the A's runs in one launch
+    (settings.INTRA_BWD_A_ONE_LAUNCH: 0 never, 1 always, 2 for packed sequences
+    only) rather than a launch per kind of chunk."""
+    if S.INTRA_BWD_A_ONE_LAUNCH not in (0, 1, 2):
+        raise ValueError(f"settings.INTRA_BWD_A_ONE_LAUNCH: expected 0, 1 or 2, got {S.INTRA_BWD_A_ONE_LAUNCH!r}")
+    return S.INTRA_BWD_A_ONE_LAUNCH == 1 or (S.INTRA_BWD_A_ONE_LAUNCH == 2 and packed)
+
+
 def _row_programs_serve(ga: dict) -> bool:
     """Whether the backward through the A's runs by row blocks (intra_bwd_a_rows.py):
     settings.INTRA_BWD_A_ROW_PROGRAMS, and fla's bounded gate keeps every block within
@@ -200,7 +209,7 @@ def kda_bwd_triton(
                 *s["VL_CHUNK"], T, NC, H=H, HV=HV, K=K, BT=BT, BKD=S.DG_OF_CHUNK_BK, **flags,
                 num_warps=S.DG_OF_CHUNK_WARPS,
             )
-        elif S.INTRA_BWD_A_ONE_LAUNCH:
+        elif _one_launch_serves(s["IS_VARLEN"]):
             # both kinds of chunk in one launch, each program on its chunk's path
             if S.BKD_A != S.BKD:
                 raise ValueError(f"settings.INTRA_BWD_A_ONE_LAUNCH needs BKD_A == BKD (one K slice per program), "

@@ -179,7 +179,16 @@ BKD_A = 32
 # same process): forward+backward at 2048 packed sequences 22.18 -> 21.75 ms,
 # varlen-mixed-T8192 (host-bound) 5.25 -> 5.22; its GPU tests passed (grads bitwise
 # the two launches', fla's layer flags against fla, test_cuda).
-INTRA_BWD_A_ONE_LAUNCH = 1
+# 2 (the default since 2026-12-04): one launch for packed sequences only. Since the
+# common variant fell to 168 registers (three CTAs an SM against the one launch's
+# two, 255 registers with 0.6 KB of spills), two launches are faster on fixed-length
+# sequences: H200 (twenty-sixth session, ours alone, standard inputs, two rounds)
+# kda_intra_bwd_a 1.590 -> 1.331 ms at B2-T8192-H8-HV32 (forward+backward 6.600 ->
+# 6.343 ms), 3.180 -> 2.678 at B8-T8192-H16 (13.257 -> 12.722). Packed sequences
+# keep the one launch, where the idle programs of a second launch cost most (not
+# re-timed since the registers fell). Fla's bounded gate takes the row programs
+# (INTRA_BWD_A_ROW_PROGRAMS) and neither launch.
+INTRA_BWD_A_ONE_LAUNCH = 2
 # The block-reference path of the backward through the A's (every chunk with fla's
 # gate at lower_bound -5) with each 16-row block's dots on its own rows of dA (1): four
 # [BT, BT] x [BT, BKD] dots' work a program where the dots on every row with the other
