@@ -472,7 +472,8 @@ RECURRENT_MAX_T = 16
 # (88.2 vs 75.8), eight warps (81.4), two warps (78.9), BV 16 with two (76.6).
 # The pool step (POOL mode, bench_pool.py, 2026-12-01) is slower under every other
 # value tried too: BV 16, BV 64 at 8 warps, a register cap of 128 or 96, the stream
-# hints (benchmarks/RESULTS_pool.md).
+# hints (benchmarks/RESULTS_pool.md); so were persistent programs prefetching the next
+# tile's slot and state, and caps of 64 or 80 (2026-12-04, RESULTS_decode.md).
 RECURRENT_BV = 32
 RECURRENT_WARPS = 4
 # A cap on its registers per thread (None: the compiler's 150, i.e. three CTAs of
