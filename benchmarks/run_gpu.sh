@@ -134,7 +134,7 @@ tests)
 bench)
     step "ours and fla, standard shapes"
     # the speed issue's shapes (fla's tuning for all four is kept in benchmarks/tuning since
-    # 2026-12-04: B1-T32768-H16 took 32 s at three rounds, B2-T8192-H8-HV32 about 60)
+    # 2026-12-04: B1-T32768-H16 alone took 32 s at three rounds)
     timeout "${BENCH_LIMIT:-400}" python3 benchmarks/bench_chunk_kda.py \
         --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32 B8-T8192-H16 B1-T32768-H16} --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     step "decode"
