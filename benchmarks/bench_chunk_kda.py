@@ -148,9 +148,11 @@ def main() -> int:
                         help="which standard shapes (by name) to time; default all")
     parser.add_argument("--impl", choices=["both", "ours"], default="both",
                         help="'ours' skips fla (no ratios), e.g. to time our kernels without fla's autotuning")
-    parser.add_argument("--mode", choices=["standard", "layer", "varlen"], default="standard",
+    parser.add_argument("--mode", choices=["standard", "layer", "varlen", "varlen-standard"], default="standard",
                         help="standard: the standard shapes' inputs; layer: fla's layer flags on (LAYER_FLAGS) at "
-                             "the standard shapes; varlen: packed sequences with the layer flags")
+                             "the standard shapes; varlen: packed sequences with the layer flags; varlen-standard: "
+                             "the same packed sequences with the standard inputs (fp32 log decays, no flags, no "
+                             "initial states)")
     parser.add_argument("--variants", nargs="*", default=[],
                         help="also time ours under other launch settings (comma-separated NAME=VALUE of "
                              "kda_op/triton_kernels/settings.py's upper-case settings, one string per variant)")
@@ -180,13 +182,24 @@ def main() -> int:
     cases = [(re.sub(r"-T\d+-", f"-T{T}-", name), B, T, H, HV) for name, B, T0, H, HV in SHAPES
              if name in args.shapes for T in (args.seq_lens or [T0])]
     cases = list(dict.fromkeys(cases))  # B1-T8192 and B1-T32768 at one --seq-lens are one case
-    if args.mode == "varlen":
+    if args.mode in ("varlen", "varlen-standard"):
         cases = [(name, 1, None, VARLEN_H, VARLEN_H) for name in ("varlen-mixed-T8192", "varlen-2048x1-64")]
     for name, B, T, H, HV in cases:
         if args.mode == "standard":
             inputs, do = make_inputs(B, T, H, HV)
             q, k, v, g, beta, h0 = inputs
             kwargs = dict(initial_state=h0, output_final_state=True)
+        elif args.mode == "varlen-standard":
+            # the packed rows' lengths with the standard rows' inputs: the kernels' per-chunk
+            # paths (no bounded gate), as a caller that forms g itself would run them
+            lengths = varlen_lengths(name)
+            T = sum(lengths)
+            cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+            inputs, do = make_inputs(1, T, H, HV)
+            inputs = inputs[:5]  # no initial states
+            q, k, v, g, beta = inputs
+            kwargs = dict(output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+            name = f"{name} standard"
         else:
             if args.mode == "varlen":
                 lengths = varlen_lengths(name)
@@ -336,8 +349,8 @@ def write_table(rows, args, fla_version, csv_rows) -> None:
             f.write("shape,B,T,H,HV,impl,fwd_ms,fwd_bwd_ms\n" + "\n".join(csv_rows) + "\n")
     if args.out:
         with open(args.out, "w") as f:
-            # --mode varlen has shapes of its own (--shapes is not read)
-            shapes = "" if args.mode == "varlen" else f" --shapes {' '.join(args.shapes)}"
+            # the varlen modes have shapes of their own (--shapes is not read)
+            shapes = "" if args.mode in ("varlen", "varlen-standard") else f" --shapes {' '.join(args.shapes)}"
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --mode {args.mode} --impl {args.impl}"
                     f"{shapes} --rounds {args.rounds}"
                     + (" --variants " + " ".join(f'"{v}"' for v in args.variants) if args.variants else "")
