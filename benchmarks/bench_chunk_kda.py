@@ -182,9 +182,15 @@ def main() -> int:
     cases = [(re.sub(r"-T\d+-", f"-T{T}-", name), B, T, H, HV) for name, B, T0, H, HV in SHAPES
              if name in args.shapes for T in (args.seq_lens or [T0])]
     cases = list(dict.fromkeys(cases))  # B1-T8192 and B1-T32768 at one --seq-lens are one case
-    if args.mode in ("varlen", "varlen-standard"):
+    packed = args.mode.startswith("varlen")  # varlen, varlen-standard
+    if packed:
         cases = [(name, 1, None, VARLEN_H, VARLEN_H) for name in ("varlen-mixed-T8192", "varlen-2048x1-64")]
     for name, B, T, H, HV in cases:
+        if packed:  # the row's lengths, the same for both modes
+            lengths = varlen_lengths(name)
+            T = sum(lengths)
+            cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
+            cu_kwargs = dict(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
         if args.mode == "standard":
             inputs, do = make_inputs(B, T, H, HV)
             q, k, v, g, beta, h0 = inputs
@@ -192,26 +198,17 @@ def main() -> int:
         elif args.mode == "varlen-standard":
             # the packed rows' lengths with the standard rows' inputs: the kernels' per-chunk
             # paths (no bounded gate), as a caller that forms g itself would run them
-            lengths = varlen_lengths(name)
-            T = sum(lengths)
-            cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
             inputs, do = make_inputs(1, T, H, HV)
             inputs = inputs[:5]  # no initial states
             q, k, v, g, beta = inputs
-            kwargs = dict(output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+            kwargs = dict(output_final_state=True, **cu_kwargs)
             name = f"{name} standard"
         else:
-            if args.mode == "varlen":
-                lengths = varlen_lengths(name)
-                T = sum(lengths)
-                cu = torch.tensor([0] + lengths, device="cuda").cumsum(0)
             inputs, params, do = make_layer_inputs(B, T, H, HV)
             q, k, v, g, beta = inputs
             inputs = inputs + list(params.values())
-            kwargs = dict(LAYER_FLAGS, **params, output_final_state=True)
-            name = name if args.mode == "varlen" else f"{name} layer-style"
-            if args.mode == "varlen":
-                kwargs.update(cu_seqlens=cu, cu_seqlens_cpu=cu.cpu())
+            kwargs = dict(LAYER_FLAGS, **params, output_final_state=True, **(cu_kwargs if packed else {}))
+            name = name if packed else f"{name} layer-style"
         outs = {}
         steps = {}
         peaks = {}
@@ -350,7 +347,7 @@ def write_table(rows, args, fla_version, csv_rows) -> None:
     if args.out:
         with open(args.out, "w") as f:
             # the varlen modes have shapes of their own (--shapes is not read)
-            shapes = "" if args.mode in ("varlen", "varlen-standard") else f" --shapes {' '.join(args.shapes)}"
+            shapes = "" if args.mode.startswith("varlen") else f" --shapes {' '.join(args.shapes)}"
             f.write(f"{meta}\n\nCommand: `python benchmarks/bench_chunk_kda.py --mode {args.mode} --impl {args.impl}"
                     f"{shapes} --rounds {args.rounds}"
                     + (" --variants " + " ".join(f'"{v}"' for v in args.variants) if args.variants else "")

@@ -58,7 +58,7 @@ def main() -> int:
     parser.add_argument("--settings", nargs="*", default=[],
                         help="settings.py RECURRENT_* settings to time ours under after the table")
     parser.add_argument("--layout-probe", action="store_true",
-                        help="also time ours on a pool of B slots taken in order (no indirection to hide)")
+                        help="also time ours on a pool of B slots, taken in order and shuffled")
     args = parser.parse_args()
     from kda_op import fused_recurrent_kda
 
