@@ -120,6 +120,23 @@ def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int, pe
     return bv
 
 
+def _work_list(n_items, device: torch.device) -> Optional[tuple]:
+    """The 1-D grid of a work-list launch over ``n_items`` items (settings.STEEP_WORK_LIST),
+    or None where the setting is off (the full grid then). At most one program per item
+    (``n_items`` may be symbolic under tracing: torch.sym_min keeps it so)."""
+    if S.STEEP_WORK_LIST not in (0, 1):
+        raise ValueError(f"settings.STEEP_WORK_LIST: expected 0 or 1, got {S.STEEP_WORK_LIST!r}")
+    if not S.STEEP_WORK_LIST:
+        return None
+    programs = S.WORK_LIST_PROGRAMS or (S.SCAN_SMS or _sm_count(device)) * S.WORK_LIST_PER_SM
+    if not (isinstance(programs, int) and programs >= 1):
+        raise ValueError(f"settings.WORK_LIST_PROGRAMS / WORK_LIST_PER_SM: expected a positive count of programs, "
+                         f"got {programs!r}")
+    if S.WORK_LIST_BLOCK not in (16, 32, 64, 128, 256):
+        raise ValueError(f"settings.WORK_LIST_BLOCK: expected a power of two from 16 to 256, got {S.WORK_LIST_BLOCK!r}")
+    return (torch.sym_max(1, torch.sym_min(n_items, programs)),)
+
+
 def _kernel(fn, traced: bool):
     """``fn``, or for host code that torch.export and inductor trace into (the
     export op), ``fn`` wrapped so the launch is captured as a graph node and every

@@ -127,3 +127,48 @@ def left_to_the_other_launch(T_c, TILE: tl.constexpr, SKIP_TILED: tl.constexpr):
     if SKIP_TILED > 0:
         leave = T_c <= SKIP_TILED
     return leave
+
+
+# Work lists (settings.STEEP_WORK_LIST): a launch whose items are mostly idle (the steep
+# launches: one item per chunk, head and row block or K slice, most of whose flags say
+# "not mine") runs a 1-D grid of a few programs per SM instead; each reads its share of
+# the flags WL_BLOCK at a time and does the flagged items one after another. Items are
+# numbered as the flags ([B, NC, HV] or [NCB, HV] packed), SUB items per flag.
+
+
+@triton.jit
+def work_list_range(n_flags, SUB: tl.constexpr):
+    """This program's share of the ``n_flags * SUB`` items, contiguous: its first
+    item and one past its last (64-bit; empty for the programs past the items)."""
+    n_items = tl.cast(n_flags, tl.int64) * SUB
+    per = tl.cdiv(n_items, tl.num_programs(0))
+    start = tl.program_id(0).to(tl.int64) * per
+    return start, tl.minimum(start + per, n_items)
+
+
+@triton.jit
+def work_list_block(flags, base, end, SUB: tl.constexpr, WANT: tl.constexpr, WL_BLOCK: tl.constexpr):
+    """Items ``base`` to ``base + WL_BLOCK - 1`` (those below ``end``): ``(o_w,
+    pending, n_todo)``: the items, the same with every item not to do replaced by
+    ``end`` (take ``tl.min(pending)`` for the next one to do, then replace it), and
+    how many there are to do. An item is to do where its flag equals WANT, or (WANT
+    < 0) is not 0."""
+    o_w = base + tl.arange(0, WL_BLOCK)
+    m_w = o_w < end
+    f = tl.load(flags + o_w // SUB, mask=m_w, other=0)
+    if WANT < 0:
+        todo = m_w & (f != 0)
+    else:
+        todo = m_w & (f == WANT)
+    return o_w, tl.where(todo, o_w, end), tl.sum(todo.to(tl.int32), 0)
+
+
+@triton.jit
+def work_list_item(item, NC, HV, SUB: tl.constexpr):
+    """``(i_c, i_bh, i_sub)`` of work-list ``item`` = (g_c * HV + i_hv) * SUB + i_sub:
+    the chunk slot and the (batch *) value head (64-bit) that a program of the full
+    grid would have had (g_c = b * NC + i_c, the flags' layout; packed sequences
+    have B = 1 and g_c = i_c), and the sub-item (row block or K slice)."""
+    flat = item // SUB
+    g_c = flat // HV
+    return (g_c % NC).to(tl.int32), (g_c // NC) * HV + flat % HV, (item % SUB).to(tl.int32)

@@ -16,7 +16,7 @@ from torch import Tensor
 from .._contract import residual_dtype
 from . import settings as S
 from ._host import (_INTERPRET, _cdiv, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
-                    _intermediates_views, _layout, _pow2, _range, _sizes, _steep_dot_precision)
+                    _intermediates_views, _layout, _pow2, _range, _sizes, _steep_dot_precision, _work_list)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
@@ -221,8 +221,11 @@ def kda_bwd_triton(
             kda_intra_bwd_a_kernel[(_cdiv(K, S.BKD_A), NC, B * HV)](
                 *args, **common, **flags, BKD=S.BKD_A, STEEP=False, num_warps=S.INTRA_BWD_A_WARPS,
             )
-            kda_intra_bwd_a_kernel[(_cdiv(K, S.BKD), NC, B * HV)](
-                *args, **common, **flags, BKD=S.BKD, STEEP=True, num_warps=4,
+            # a work list (settings.STEEP_WORK_LIST) or one program per K slice, chunk and head
+            work_list = _work_list(B * NC * HV * _cdiv(K, S.BKD), q.device)
+            kda_intra_bwd_a_kernel[work_list or (_cdiv(K, S.BKD), NC, B * HV)](
+                *args, **common, **flags, BKD=S.BKD, STEEP=True, n_flags=B * NC * HV,
+                WORK_LIST=work_list is not None, WL_BLOCK=S.WORK_LIST_BLOCK, num_warps=4,
             )
         dA_log = empty() if A_log is None else dla_part.sum((0, 1, 3)).to(A_log.dtype)
         ddt_bias = empty() if dt_bias is None else ddt_part.sum((0, 1)).reshape(HV * K).to(dt_bias.dtype)

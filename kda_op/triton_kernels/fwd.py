@@ -19,7 +19,7 @@ from .._contract import aqk_dtype, chunk_states_dtype, residual_dtype, scan_oper
 from . import settings as S
 from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
                     _intermediates_views, _kernel, _layout, _pow2, _range, _sizes, _steep_dot_precision,
-                    _zero_alignment_gaps)
+                    _work_list, _zero_alignment_gaps)
 from .decode import kda_recurrent_fwd_triton
 from .diag_inv import kda_diag_inv_kernel
 from .gam_fwd import kda_gam_fwd_kernel
@@ -142,11 +142,15 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         )
     if not _no_steep_launch(ga):
         row_programs = bool(S.STEEP_FWD_ROW_PROGRAMS)
-        _kernel(kda_intra_a_fwd_steep_kernel, traced)[(NC, B * HV, BT // BC if row_programs else 1)](
-            q, k, gam, akk, aqk, steep, *s["VL_CHUNK"], scale, T, NC,
+        sub = BT // BC if row_programs else 1
+        # a work list (settings.STEEP_WORK_LIST) or one program per chunk, head (and row block)
+        work_list = _work_list(B * NC * HV * sub, q.device)
+        _kernel(kda_intra_a_fwd_steep_kernel, traced)[work_list or (NC, B * HV, sub)](
+            q, k, gam, akk, aqk, steep, *s["VL_CHUNK"], scale, T, NC, n_flags=B * NC * HV,
             **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
             BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs,
-            BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), num_warps=4,
+            BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), WORK_LIST=work_list is not None, WL_BLOCK=S.WORK_LIST_BLOCK,
+            num_warps=4,
         )
     # the diagonal blocks' inverses in programs of their own (settings.INTRA_DIAG_INV_KERNEL)
     diag_inv = bool(S.INTRA_DIAG_INV_KERNEL)

@@ -33,7 +33,8 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored
-from ._indexing import chunk_coords, chunk_in_sequence, gam_row, left_to_the_other_launch
+from ._indexing import (chunk_coords, chunk_in_sequence, gam_row, left_to_the_other_launch, work_list_block,
+                        work_list_item, work_list_range)
 from ._math import exp
 
 
@@ -305,9 +306,11 @@ def kda_intra_a_fwd_steep_kernel(
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
+    n_flags,  # WORK_LIST: how many steep flags there are (B * NC * HV)
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, ROW_PROGRAMS: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False,
+    WORK_LIST: tl.constexpr = False, WL_BLOCK: tl.constexpr = 64,
 ):
     """The A's of the chunks kda_intra_a_fwd_kernel left to it (steep flag 2); the
     others return at once. Row block by row block (BC rows), over K slices (BKS wide): the
@@ -317,10 +320,43 @@ def kda_intra_a_fwd_steep_kernel(
     axis 2, BT // BC of them) instead of one looping over the chunk's blocks.
     BLOCK_REFS: first one pass with the block's middle row as the reference of
     every column up to the block's end; kept where the block's gam strays at most
-    MAX_SPLIT from that row (settings.STEEP_BLOCK_REFS)."""
+    MAX_SPLIT from that row (settings.STEEP_BLOCK_REFS). WORK_LIST
+    (settings.STEEP_WORK_LIST): a 1-D grid of a few programs per SM, each reading
+    the flags of its share of the (chunk, head[, row block]) items WL_BLOCK at a time
+    and forming the flagged ones (_indexing.work_list_items), instead of one program
+    per item that mostly only reads its flag."""
     scale = tl.cast(scale, tl.float32)  # fp64 where inductor launches it (see above)
-    i_c = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
+    SUB: tl.constexpr = BT // BC if ROW_PROGRAMS else 1  # items per flag
+    N_BLOCKS: tl.constexpr = 1 if ROW_PROGRAMS else BT // BC  # row blocks per item
+    if WORK_LIST:
+        start, end = work_list_range(n_flags, SUB)
+        for base in range(start, end, WL_BLOCK):
+            o_w, pending, n_todo = work_list_block(steep, base, end, SUB, 2, WL_BLOCK)
+            for _ in range(n_todo):
+                item = tl.min(pending, 0)
+                pending = tl.where(o_w == item, end, pending)
+                i_c, i_bh, i_sub = work_list_item(item, NC, HV, SUB)
+                _steep_a_item(q, k, gam, akk, aqk, steep, cu_seqlens, chunk_index, scale, T, NC, H, HV,
+                              i_c, i_bh, i_sub * N_BLOCKS, K, BT, BC, BKS, DOT_PREC, MAX_SPLIT, INTERPRET,
+                              IS_VARLEN, BLOCK_REFS, N_BLOCKS)
+    else:
+        if ROW_PROGRAMS:
+            i_first = tl.program_id(2)
+        else:
+            i_first = 0
+        _steep_a_item(q, k, gam, akk, aqk, steep, cu_seqlens, chunk_index, scale, T, NC, H, HV,
+                      tl.program_id(0), tl.program_id(1).to(tl.int64), i_first, K, BT, BC, BKS, DOT_PREC, MAX_SPLIT,
+                      INTERPRET, IS_VARLEN, BLOCK_REFS, N_BLOCKS)
+
+
+@triton.jit
+def _steep_a_item(q, k, gam, akk, aqk, steep, cu_seqlens, chunk_index, scale, T, NC, H, HV, i_c, i_bh, i_first,
+                  K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKS: tl.constexpr,
+                  DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr,
+                  IS_VARLEN: tl.constexpr, BLOCK_REFS: tl.constexpr, N_BLOCKS: tl.constexpr):
+    """kda_intra_a_fwd_steep_kernel's work on chunk slot ``i_c`` of (batch *) value
+    head ``i_bh`` (64-bit): N_BLOCKS row blocks from block ``i_first``, if the
+    chunk's flag is 2."""
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
     if tl.load(steep + g_c * HV + i_hv) == 2:  # (1: the common kernel formed them with block references)
         q += (bos * H + i_h) * K
@@ -333,14 +369,8 @@ def kda_intra_a_fwd_steep_kernel(
         m_t = o_t < T
         o_gt = gam_row(o_t, T)  # the rows of gam read: past the end, the last
         o_c = tl.arange(0, BC)
-        if ROW_PROGRAMS:
-            i_first = tl.program_id(2)
-            n_blocks: tl.constexpr = 1
-        else:
-            i_first = 0
-            n_blocks: tl.constexpr = BT // BC
         # row blocks past the sequence's end (short or last chunks) hold no row: skipped
-        for i_i in range(i_first, tl.minimum(i_first + n_blocks, tl.cdiv(T, BC))):
+        for i_i in range(i_first, tl.minimum(i_first + N_BLOCKS, tl.cdiv(T, BC))):
             o_i = i_i * BC + o_c
             m_i = o_i < T
             before = o_r < i_i * BC  # the columns left of the diagonal block

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ._gate import gate_bwd, gate_params
-from ._indexing import chunk_coords, gam_row
+from ._indexing import chunk_coords, gam_row, work_list_block, work_list_item, work_list_range
 from ._math import exp
 
 
@@ -76,6 +76,8 @@ def kda_intra_bwd_a_kernel(
     IS_VARLEN: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False,
     ONE_LAUNCH: tl.constexpr = False, STEEP_DOT_PREC: tl.constexpr = "ieee",
     ROW_BLOCK_DOTS: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
+    n_flags=0,  # WORK_LIST: how many steep flags there are (B * NC * HV)
+    WORK_LIST: tl.constexpr = False, WL_BLOCK: tl.constexpr = 64,
 ):
     """STEEP = False: the chunks the forward split at their middle row (the others
     return at once); STEEP = True: the steep ones, with sub-blocks. BLOCK_REFS
@@ -87,12 +89,46 @@ def kda_intra_bwd_a_kernel(
     only reads its flag and returns). The steep path's dots run at STEEP_DOT_PREC.
     ROW_BLOCK_DOTS (settings.INTRA_BWD_A_ROW_BLOCK_DOTS): the block references' dots
     on each block's own rows of dA, not on all of them with the others zeroed. FAST_EXP:
-    _math.exp without subnormals in the split chunks (the steep path keeps tl.exp)."""
-    # The K slice varies fastest over the grid: the slices of one chunk run side by
-    # side and share their loads of dA_kk, dA_qk through L2.
-    i_s = tl.program_id(0)
-    i_c = tl.program_id(1)
-    i_bh = tl.program_id(2).to(tl.int64)
+    _math.exp without subnormals in the split chunks (the steep path keeps tl.exp).
+    WORK_LIST (STEEP only; settings.STEEP_WORK_LIST): a 1-D grid of a few programs per
+    SM, each reading the flags of its share of the (chunk, head, K slice) items WL_BLOCK
+    at a time and taking the steep ones (_indexing.work_list_items), instead of one
+    program per item that mostly only reads its flag."""
+    if WORK_LIST:
+        tl.static_assert(STEEP and not ONE_LAUNCH, "a work list serves the steep launch only")
+        NKS: tl.constexpr = (K + BKD - 1) // BKD  # items per flag: the K slices
+        start, end = work_list_range(n_flags, NKS)
+        for base in range(start, end, WL_BLOCK):
+            o_w, pending, n_todo = work_list_block(steep, base, end, NKS, -1, WL_BLOCK)
+            for _ in range(n_todo):
+                item = tl.min(pending, 0)
+                pending = tl.where(o_w == item, end, pending)
+                i_c, i_bh, i_s = work_list_item(item, NC, HV, NKS)
+                _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, g, A_log, dt_bias,
+                                lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
+                                i_s, i_c, i_bh, K, BT, BC, BKD, STEEP, DOT_PREC, MAX_SPLIT, GATE, HAS_A, HAS_BIAS,
+                                IS_VARLEN, BLOCK_REFS, ONE_LAUNCH, STEEP_DOT_PREC, ROW_BLOCK_DOTS, FAST_EXP)
+    else:
+        # The K slice varies fastest over the grid: the slices of one chunk run side by
+        # side and share their loads of dA_kk, dA_qk through L2.
+        _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, g, A_log, dt_bias,
+                        lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
+                        tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
+                        K, BT, BC, BKD, STEEP, DOT_PREC, MAX_SPLIT, GATE, HAS_A, HAS_BIAS,
+                        IS_VARLEN, BLOCK_REFS, ONE_LAUNCH, STEEP_DOT_PREC, ROW_BLOCK_DOTS, FAST_EXP)
+
+
+@triton.jit
+def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, g, A_log, dt_bias,
+                    lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
+                    i_s, i_c, i_bh,
+                    K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
+                    STEEP: tl.constexpr, DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
+                    GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
+                    IS_VARLEN: tl.constexpr, BLOCK_REFS: tl.constexpr, ONE_LAUNCH: tl.constexpr,
+                    STEEP_DOT_PREC: tl.constexpr, ROW_BLOCK_DOTS: tl.constexpr, FAST_EXP: tl.constexpr):
+    """kda_intra_bwd_a_kernel's work on K slice ``i_s`` of chunk slot ``i_c`` of
+    (batch *) value head ``i_bh`` (64-bit)."""
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.

@@ -246,6 +246,20 @@ BKD = 32
 # gate (lower_bound = -5: gates near -2.5 per token on average), where the looping
 # form took 0.415 of a 1.0 ms forward at B1-T8192-H16 (H200, 2026-12-01).
 STEEP_FWD_ROW_PROGRAMS = 1
+# The steep launches (the forward's above, the backward's through the A's where it is a
+# launch of its own: INTRA_BWD_A_ONE_LAUNCH) as work lists (1; _indexing.work_list_*): a
+# 1-D grid of WORK_LIST_PER_SM programs an SM (WORK_LIST_PROGRAMS: None counts the
+# device's SMs; a number: that many programs in all), each reading its share of the flags
+# WORK_LIST_BLOCK at a time and forming the flagged items, instead of one program per item
+# (0). At the standard inputs (fp32 log decays, the host cannot bound the gate) almost no
+# chunk is steep, yet the launches run: the forward's 32768 programs that only read their
+# flag took 0.059 ms at B2-T8192-H8-HV32 and 0.117 at B8-T8192-H16 (H200, 2026-12-04),
+# the backward's as many again. Built 2026-12-04 without a device (the interpreter's
+# tests: the same bits as the full grid, every flag, packed too): 0 until timed.
+STEEP_WORK_LIST = 0
+WORK_LIST_PER_SM = 8
+WORK_LIST_PROGRAMS = None
+WORK_LIST_BLOCK = 64
 # Steep chunks whose gam strays at most MAX_SPLIT from the middle row of each
 # BC-row block (gates down to about -7.5 per token: fla's safe_gate range, its
 # layer's -5) take those middle rows as references for the whole row block, the
