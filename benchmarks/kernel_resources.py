@@ -51,6 +51,9 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.INTRA_A_ROWS_MAXNREG
     if fn.__name__ == "kda_intra_wu_fwd_kernel" and S.INTRA_WU_FWD_MAXNREG and num_warps == S.INTRA_WU_FWD_WARPS_BF16:
         options["maxnreg"] = S.INTRA_WU_FWD_MAXNREG
+    if (fn.__name__ == "kda_intra_bwd_a_kernel" and S.INTRA_BWD_A_MAXNREG and not constexprs.get("STEEP")
+            and not constexprs.get("ONE_LAUNCH")):
+        options["maxnreg"] = S.INTRA_BWD_A_MAXNREG
     if fn.__name__ == "kda_intra_bwd_a_rows_kernel" and S.INTRA_BWD_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_BWD_A_ROWS_MAXNREG
     # in the kernel's parameter order: Triton >= 3.7 reads the signature by position
@@ -176,6 +179,9 @@ def main(argv: list[str] | None = None) -> int:
     dsc = "*bf16" if S.BF16_DSTATES and args.dtype == "bf16" else f32  # dS_C, as bwd.py allocates it
     prec, steep_prec = _dot_precision(dtype), _steep_dot_precision(dtype)  # as the host code passes them
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
+    # the backward's dq, dk: the op's own at G = 1 (settings.DIRECT_DQ_DK; K = V, H = HV here), else fp32 again
+    dq_dk_out = (dict(dq_out=x, dk_out=x, out_scale="fp32") if S.DIRECT_DQ_DK
+                 else dict(dq_out=f32, dk_out=f32, out_scale="fp32"))
     scale_type = args.scale_type
     common = dict(K=K, V=V, BT=BT)
     # fla's in-kernel gate (--gate): g is then the raw gate in the inputs' dtype (fla's layer passes bf16)
@@ -206,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
               FAST_EXP=bool(S.FAST_EXP)),
          S.INTRA_A_ROWS_WARPS, S.INTRA_A_ROWS_STAGES),
         (intra_a_fwd.kda_intra_a_fwd_steep_kernel,
-         dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints),
+         dict(**vl_chunk, q=x, k=x, gam=f32, akk=f32, aqk=aq, steep="*i32", scale=scale_type, **ints, n_flags="i32"),
          dict(**varlen, K=K, BT=BT, BC=BC, BKS=S.BKS, DOT_PREC=steep_prec, MAX_SPLIT=MAX_SPLIT,
               ROW_PROGRAMS=bool(S.STEEP_FWD_ROW_PROGRAMS), BLOCK_REFS=bool(S.STEEP_BLOCK_REFS)), 4, 3),
         # the diagonal blocks' inverses in a launch of their own (settings.INTRA_DIAG_INV_KERNEL)
@@ -260,18 +266,19 @@ def main(argv: list[str] | None = None) -> int:
               BF16_DAQK=bool(S.INTRA_BWD_BF16_DAQK) and args.dtype == "bf16" and res == "*bf16"), S.INTRA_BWD_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
-              dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
+              dg=graw, **dq_dk_out, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints, n_flags="i32"),
          dict(**varlen, K=K, BT=BT, BC=BC, BKD=S.BKD_A, STEEP=False, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
               STEEP_DOT_PREC=steep_prec, FAST_EXP=bool(S.FAST_EXP)), S.INTRA_BWD_A_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
-              dg=graw, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints),
+              dg=graw, **dq_dk_out, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints, n_flags="i32"),
          dict(**varlen, K=K, BT=BT, BC=BC, BKD=S.BKD, STEEP=True, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, **gate,
               BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), STEEP_DOT_PREC=steep_prec,
               ROW_BLOCK_DOTS=bool(S.INTRA_BWD_A_ROW_BLOCK_DOTS)), 4, 3),
         # the backward through the A's by row blocks, then dg (settings.INTRA_BWD_A_ROW_PROGRAMS)
         (intra_bwd_a_rows.kda_intra_bwd_a_rows_kernel,
-         dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dq=f32, dk=f32, dgam=f32, scale="fp32", **ints),
+         dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dq=f32, dk=f32, dgam=f32, **dq_dk_out, scale="fp32",
+              **ints),
          dict(**varlen, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec,
               FAST_EXP=bool(S.FAST_EXP) and bool(S.INTRA_BWD_A_ROWS_FAST_EXP)),
          S.INTRA_BWD_A_ROWS_WARPS, 3),
@@ -306,6 +313,11 @@ def main(argv: list[str] | None = None) -> int:
         steep_run = [r for r in runs if r[0] is intra_bwd_a.kda_intra_bwd_a_kernel and r[2]["STEEP"]][0]
         runs.append((steep_run[0], steep_run[1], dict(steep_run[2], STEEP=False, ONE_LAUNCH=True),
                      S.INTRA_BWD_A_WARPS, steep_run[4]))
+    if S.STEEP_WORK_LIST:
+        # the steep launches as work lists (settings.STEEP_WORK_LIST)
+        for fn in (intra_a_fwd.kda_intra_a_fwd_steep_kernel, intra_bwd_a.kda_intra_bwd_a_kernel):
+            run = [r for r in runs if r[0] is fn and r[2].get("STEEP", True)][0]
+            runs.append((run[0], run[1], dict(run[2], WORK_LIST=True, WL_BLOCK=S.WORK_LIST_BLOCK), run[3], run[4]))
     if args.varlen:
         # short packed sequences' [SHORT_TILE, SHORT_TILE] tiles: in a launch of their own
         # (settings.SHORT_TILE_LAUNCHES 2), or picked per program in the one launch (1)

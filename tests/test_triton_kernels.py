@@ -450,6 +450,151 @@ def test_triton_backward_through_the_as_takes_one_launch_for_packed_sequences_on
         kda_bwd_triton(*args, cs, dO.to(DEVICE), None, kept, cu_seqlens=cu_d)
 
 
+def _on_grid(monkeypatch, module, name, record):
+    """Replace the kernel ``module.name`` by one that calls ``record(grid, kwargs)`` at
+    each launch, then launches the kernel as it is."""
+    kernel = getattr(module, name)
+
+    class Recording:
+        def __getitem__(self, grid):
+            def launch(*a, **kw):
+                record(grid, kw)
+                return kernel[grid](*a, **kw)
+            return launch
+
+    monkeypatch.setattr(module, name, Recording())
+
+
+@pytest.mark.parametrize("packed,row_programs", [(False, 1), (False, 0), (True, 1)])
+def test_triton_steep_work_lists_give_the_bits_of_the_full_grids(packed, row_programs, monkeypatch):
+    """settings.STEEP_WORK_LIST: the forward's steep launch and the backward's steep
+    launch through the A's as work lists (a 1-D grid of three programs here, each
+    reading its share of the flags 16 at a time, so every program walks several
+    blocks and meets several steep items in one) give bitwise the outputs, kept
+    intermediates and grads of one program per item, which match the reference:
+    chunks of all three flags (0 split, 1 block references, 2 the steep launch), in
+    a batch of two and in packed sequences (with the backward's steep launch of its
+    own, INTRA_BWD_A_ONE_LAUNCH = 0), by chunk or by row block (STEEP_FWD_ROW_PROGRAMS)."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import bwd, fwd, settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    monkeypatch.setattr(settings, "STEEP_FWD_ROW_PROGRAMS", row_programs)
+    monkeypatch.setattr(settings, "WORK_LIST_PROGRAMS", 3)
+    monkeypatch.setattr(settings, "WORK_LIST_BLOCK", 16)
+    if packed:
+        monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", 0)
+        cu, (q, k, v, g, beta), _, do = _packed_problem([20, 130, 0, 65, 64, 1], 71, False, 10.0)
+        h0 = dht = None
+        cu_d = cu.to(DEVICE)
+    else:
+        x = _inputs(2, 3 * CHUNK_SIZE - 20, 1, 2, 48, 40, True, seed=73)
+        q, k, v, beta, h0 = (x[n].cpu() for n in ("q", "k", "v", "beta", "initial_state"))
+        g = x["g"].cpu().clone()
+        g[0, CHUNK_SIZE:2 * CHUNK_SIZE] -= 9.0  # flag 2 (> MAX_SPLIT within each 16-row block)
+        g[1, :CHUNK_SIZE, 1] -= 9.0
+        g[1, 2 * CHUNK_SIZE:] -= 4.0  # flag 1 (block references)
+        gen = torch.Generator().manual_seed(74)
+        do = torch.randn(2, g.shape[1], 2, 40, generator=gen)
+        dht = torch.randn(2, 2, 48, 40, generator=gen)
+        cu = cu_d = None
+    args = [t.to(DEVICE) for t in (q, k, v, g, beta)] + [None, None if h0 is None else h0.to(DEVICE)]
+    grids = []
+    _on_grid(monkeypatch, fwd, "kda_intra_a_fwd_steep_kernel", lambda grid, kw: grids.append(("fwd", tuple(grid))))
+    _on_grid(monkeypatch, bwd, "kda_intra_bwd_a_kernel",
+             lambda grid, kw: grids.append(("bwd", tuple(grid))) if kw["STEEP"] else None)
+    results = []
+    for work_list in (0, 1):
+        monkeypatch.setattr(settings, "STEEP_WORK_LIST", work_list)
+        grids.clear()
+        o, ht, cs, kept = kda_fwd_triton(*args, True, cu_seqlens=cu_d, output_final_state=not packed)
+        grads = kda_bwd_triton(*args, cs, do.to(DEVICE), None if dht is None else dht.to(DEVICE), kept,
+                               cu_seqlens=cu_d)
+        results.append((o, ht, cs, kept) + tuple(grads))
+        if work_list:
+            assert grids == [("fwd", (3,)), ("bwd", (3,))], grids
+        else:
+            assert [len(grid) for _, grid in grids] == [3, 3], grids
+    flags = _intermediates_views(kept, _layout(args[0], args[2], cu_d)[0])["steep"].flatten().tolist()
+    assert flags.count(2) >= 2 and flags.count(1) >= 1 and flags.count(0) >= 2, flags
+    for i, (full, listed) in enumerate(zip(*results)):
+        assert torch.equal(_bytes(full), _bytes(listed)), i
+    want = _reference_fwd(q, k, v, g, beta, None, h0, None, cu)
+    _rel_close(results[1][0], want[0], "o")
+    want_grads = _reference_bwd(q, k, v, g, beta, None, h0, want[2], do, dht, None, cu)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), results[1][4:], want_grads):
+        if b.numel():
+            _rel_close(a, b, name)
+    monkeypatch.setattr(settings, "STEEP_WORK_LIST", 2)
+    with pytest.raises(ValueError, match="STEEP_WORK_LIST"):
+        kda_fwd_triton(*args, True, cu_seqlens=cu_d, output_final_state=not packed)
+
+
+@pytest.mark.parametrize("gated,packed,dtype", [
+    (False, False, torch.bfloat16),  # split and steep chunks: the per-chunk backward's two launches
+    (True, True, torch.float32),  # fla's bounded gate: the row-block kernel (INTRA_BWD_A_ROW_PROGRAMS)
+    (False, True, torch.float32),  # packed: the per-chunk backward's one launch
+])
+def test_triton_direct_dq_dk_gives_what_gva_reduce_gives(gated, packed, dtype, monkeypatch):
+    """settings.DIRECT_DQ_DK: with one value head a key head (G = 1) the backward through
+    the A's writes the op's dq (scaled) and dk in the inputs' dtype itself and gva_reduce
+    does not run; the grads are those of gva_reduce's pass (the same values: a scale
+    and a cast of the same fp32 sums) and the reference's, on every path of that stage.
+    With G = 2 gva_reduce still runs."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import bwd, settings
+
+    lengths = [20, 130, 0, 64, 1]
+    T = sum(lengths) if packed else 2 * CHUNK_SIZE + 9
+    B = 1 if packed else 2
+    x = _inputs(B, T, 2, 1, 32, 24, False, seed=83)
+    q, k, v, beta = (x[n].cpu().to(dtype) for n in ("q", "k", "v", "beta"))
+    g = x["g"].cpu().clone()
+    gen = torch.Generator().manual_seed(84)
+    gate = None
+    if gated:  # fla's raw gate, lower_bound form: every chunk in the block-reference range
+        g = torch.randn(g.shape, generator=gen)
+        gate = (torch.randn(2, generator=gen), torch.randn(2 * 32, generator=gen), -5.0)
+    elif not packed:
+        g[0, CHUNK_SIZE:2 * CHUNK_SIZE] -= 9.0  # a steep chunk (the steep launch)
+    do = torch.randn(B, T, 2, 24, generator=gen).to(dtype)
+    cu = torch.tensor([0] + lengths).cumsum(0) if packed else None
+    cu_d = None if cu is None else cu.to(DEVICE)
+    gate_d = None if gate is None else tuple(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in gate)
+    args = [t.to(DEVICE) for t in (q, k, v, g, beta)] + [None, None]
+    o, _, cs, kept = kda_fwd_triton(*args, True, gate=gate_d, cu_seqlens=cu_d, output_final_state=False)
+    reduced = []
+    _on_launch(monkeypatch, bwd, "kda_gva_reduce_kernel", lambda kw: reduced.append(kw["G"]))
+    by_rows = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda kw: by_rows.append(kw["BKD"]))
+    grads = []
+    for direct in (0, 1):
+        monkeypatch.setattr(settings, "DIRECT_DQ_DK", direct)
+        reduced.clear()
+        grads.append(kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d))
+        assert reduced == ([] if direct else [1]), (direct, reduced)
+    for i, (a, b) in enumerate(zip(*grads)):
+        assert a.dtype == b.dtype and torch.equal(a, b), i
+    assert grads[1][0].dtype == dtype and grads[1][1].dtype == dtype
+    assert bool(by_rows) == gated, by_rows  # the row-block kernel took fla's bounded gate
+    if dtype == torch.float32:
+        want = _reference_fwd(q, k, v, g, beta, None, None, gate, cu)
+        want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, None, gate, cu)
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), grads[1], want_grads):
+            if b.numel():
+                _rel_close(a, b, name)
+    # G = 2: two value heads to sum, gva_reduce runs
+    x2 = _inputs(1, CHUNK_SIZE + 5, 1, 2, 32, 24, False, seed=85)
+    args2 = [x2[n] for n in NAMES] + [None, None]
+    o2, _, cs2, kept2 = kda_fwd_triton(*args2, True, output_final_state=False)
+    reduced.clear()
+    kda_bwd_triton(*args2, cs2, torch.randn_like(o2), None, kept2)
+    assert reduced == [2]
+    monkeypatch.setattr(settings, "DIRECT_DQ_DK", 2)
+    with pytest.raises(ValueError, match="DIRECT_DQ_DK"):
+        kda_bwd_triton(*args2, cs2, torch.randn_like(o2), None, kept2)
+
+
 @pytest.mark.parametrize("T", [2 * CHUNK_SIZE + 7, CHUNK_SIZE + 40])  # 40: a block cut by T
 def test_triton_tm_row_loads(T, monkeypatch):
     """intra_wu_fwd's other way to its forward substitution (settings.TM_ROW_LOADS =

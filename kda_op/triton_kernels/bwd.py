@@ -28,6 +28,14 @@ from .settings import BC, BT, MAX_SPLIT
 from .state_bwd import kda_state_bwd_fused_kernel, kda_state_bwd_kernel, kda_state_bwd_prep_kernel
 
 
+def _direct_dq_dk(G: int) -> bool:
+    """Whether the backward through the A's writes the op's dq and dk itself
+    (settings.DIRECT_DQ_DK: one value head a key head, nothing for gva_reduce to sum)."""
+    if S.DIRECT_DQ_DK not in (0, 1):
+        raise ValueError(f"settings.DIRECT_DQ_DK: expected 0 or 1, got {S.DIRECT_DQ_DK!r}")
+    return bool(S.DIRECT_DQ_DK) and G == 1
+
+
 def _one_launch_serves(packed: bool) -> bool:
     """Whether the per-chunk backward through the A's runs in one launch
     (settings.INTRA_BWD_A_ONE_LAUNCH: 0 never, 1 always, 2 for packed sequences
@@ -183,8 +191,15 @@ def kda_bwd_triton(
             BF16_DAQK=bool(S.INTRA_BWD_BF16_DAQK) and do.dtype == torch.bfloat16 and up.dtype == torch.bfloat16,
             INTERPRET=_INTERPRET,
         )
-    del dup, up, dtm_part, dbeta_part
+    # (the stand-ins too: they may be dup, which they would keep for the rest of the backward)
+    del dup, up, dtm_part, dbeta_part, ds_offsets, dht_arg, dh0_arg
     dg = torch.empty_like(g)
+    # G = 1 (settings.DIRECT_DQ_DK): the backward through the A's writes the op's dq and dk
+    # itself, and gva_reduce, with nothing to sum, does not run
+    direct = _direct_dq_dk(G)
+    dq = torch.empty_like(q) if direct else None
+    dk = torch.empty_like(k) if direct else None
+    out = (dq, dk, scale) if direct else (dq_e, dk_e, 1.0)  # intra_bwd_a.store_dq_dk
     with _range("kda_op::bwd::intra_through_a"):
         common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, STEEP_DOT_PREC=_steep_dot_precision(q.dtype),
                       MAX_SPLIT=MAX_SPLIT, BLOCK_REFS=bool(S.STEEP_BLOCK_REFS),
@@ -193,13 +208,13 @@ def kda_bwd_triton(
         # the gate's partial sums over each chunk's rows (written where GATE)
         gate_parts = torch.empty(2, B, NC, HV, K, **f32) if gate is not None else None
         ddt_part, dla_part = (gate_parts[0], gate_parts[1]) if gate is not None else (dg, dg)  # unread without GATE
-        args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg,
+        args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, *out,
                 g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part, *s["VL_CHUNK"], scale, T, NC)
         flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], IS_VARLEN=s["IS_VARLEN"])
         if _row_programs_serve(ga):
             # one program per row block (settings.INTRA_BWD_A_ROW_PROGRAMS), then dg
             kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * HV)](
-                q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *s["VL_CHUNK"], scale, T, NC,
+                q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *out, *s["VL_CHUNK"], scale, T, NC,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
                 FAST_EXP=_fast_exp() and bool(S.INTRA_BWD_A_ROWS_FAST_EXP), num_warps=S.INTRA_BWD_A_ROWS_WARPS,
                 **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),
@@ -220,6 +235,7 @@ def kda_bwd_triton(
         else:
             kda_intra_bwd_a_kernel[(_cdiv(K, S.BKD_A), NC, B * HV)](
                 *args, **common, **flags, BKD=S.BKD_A, STEEP=False, num_warps=S.INTRA_BWD_A_WARPS,
+                **(dict(maxnreg=S.INTRA_BWD_A_MAXNREG) if S.INTRA_BWD_A_MAXNREG else {}),
             )
             # a work list (settings.STEEP_WORK_LIST) or one program per K slice, chunk and head
             work_list = _work_list(B * NC * HV * _cdiv(K, S.BKD), q.device)
@@ -229,15 +245,16 @@ def kda_bwd_triton(
             )
         dA_log = empty() if A_log is None else dla_part.sum((0, 1, 3)).to(A_log.dtype)
         ddt_bias = empty() if dt_bias is None else ddt_part.sum((0, 1)).reshape(HV * K).to(dt_bias.dtype)
-    del dakk, daqk, dgam, dgam_last, gate_parts, ddt_part, dla_part, args
-    with _range("kda_op::bwd::gva_reduce"):
-        # GVA: sum the G value heads of each key head, scale dq, cast: one pass.
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k)
-        R = B * T * H
-        kda_gva_reduce_kernel[(_cdiv(R, S.GVA_ROWS),)](
-            dq_e, dk_e, dq, dk, scale, R, G=G, K=K, BR=S.GVA_ROWS, BK=_pow2(K), num_warps=4,
-        )
+    del dakk, daqk, dgam, dgam_last, gate_parts, ddt_part, dla_part, args, out
+    if not direct:
+        with _range("kda_op::bwd::gva_reduce"):
+            # GVA: sum the G value heads of each key head, scale dq, cast: one pass.
+            dq = torch.empty_like(q)
+            dk = torch.empty_like(k)
+            R = B * T * H
+            kda_gva_reduce_kernel[(_cdiv(R, S.GVA_ROWS),)](
+                dq_e, dk_e, dq, dk, scale, R, G=G, K=K, BR=S.GVA_ROWS, BK=_pow2(K), num_warps=4,
+            )
     return dq, dk, dv, dg, dbeta, dh0.to(dh0_dtype), dA_log, ddt_bias
 
 

@@ -323,7 +323,7 @@ def kda_intra_a_fwd_steep_kernel(
     MAX_SPLIT from that row (settings.STEEP_BLOCK_REFS). WORK_LIST
     (settings.STEEP_WORK_LIST): a 1-D grid of a few programs per SM, each reading
     the flags of its share of the (chunk, head[, row block]) items WL_BLOCK at a time
-    and forming the flagged ones (_indexing.work_list_items), instead of one program
+    and forming the flagged ones (_indexing.work_list_range, _block, _item), instead of one program
     per item that mostly only reads its flag."""
     scale = tl.cast(scale, tl.float32)  # fp64 where inductor launches it (see above)
     SUB: tl.constexpr = BT // BC if ROW_PROGRAMS else 1  # items per flag

@@ -32,7 +32,17 @@ from ._math import exp
 
 
 @triton.jit
-def _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
+def store_dq_dk(dq_out, dk_out, out_scale, offsets, mask, b_dq, b_dk):
+    """The last stage's dq and dk of a tile: ``dq_out``, ``dk_out`` are the fp32 per
+    value head buffers again (``out_scale`` 1.0: x * 1.0 is x) or, where gva_reduce
+    has nothing to sum (G = 1, settings.DIRECT_DQ_DK), the op's dq and dk in the
+    inputs' dtype, dq scaled (``out_scale`` = scale), as gva_reduce would write them."""
+    tl.store(dq_out + offsets, (b_dq * out_scale).to(dq_out.dtype.element_ty), mask=mask)
+    tl.store(dk_out + offsets, b_dk.to(dk_out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
                   b_q, b_k, b_tq, b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE: tl.constexpr):
     """A chunk's slice from its terms through the A's (rows, and columns ``b_tkj``):
     dq, dk, and dg (``_dg_of_chunk``)."""
@@ -41,8 +51,7 @@ def _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_
     b_dgam = tl.load(dgam + row_ts, mask=m_ts, other=0.0) + b_q * b_tq + b_k * (b_tk - b_tkj)
     _dg_of_chunk(dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s, b_dgam, b_ga, b_gbias, lower_bound,
                  GATE)
-    tl.store(dq + row_ts, b_dq, mask=m_ts)
-    tl.store(dk + row_ts, b_dk, mask=m_ts)
+    store_dq_dk(dq_out, dk_out, out_scale, row_ts, m_ts, b_dq, b_dk)
 
 
 @triton.jit
@@ -64,7 +73,7 @@ def _dg_of_chunk(dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s, b
 @triton.jit
 def kda_intra_bwd_a_kernel(
     q, k, gam, dakk, daqk, dgam_last, steep,
-    dq, dk, dgam, dg,
+    dq, dk, dgam, dg, dq_out, dk_out, out_scale,
     g, A_log, dt_bias, lower_bound, ddt_part, dla_part,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
@@ -92,7 +101,7 @@ def kda_intra_bwd_a_kernel(
     _math.exp without subnormals in the split chunks (the steep path keeps tl.exp).
     WORK_LIST (STEEP only; settings.STEEP_WORK_LIST): a 1-D grid of a few programs per
     SM, each reading the flags of its share of the (chunk, head, K slice) items WL_BLOCK
-    at a time and taking the steep ones (_indexing.work_list_items), instead of one
+    at a time and taking the steep ones (_indexing.work_list_range, _block, _item), instead of one
     program per item that mostly only reads its flag."""
     if WORK_LIST:
         tl.static_assert(STEEP and not ONE_LAUNCH, "a work list serves the steep launch only")
@@ -104,14 +113,14 @@ def kda_intra_bwd_a_kernel(
                 item = tl.min(pending, 0)
                 pending = tl.where(o_w == item, end, pending)
                 i_c, i_bh, i_s = work_list_item(item, NC, HV, NKS)
-                _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, g, A_log, dt_bias,
+                _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, A_log, dt_bias,
                                 lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
                                 i_s, i_c, i_bh, K, BT, BC, BKD, STEEP, DOT_PREC, MAX_SPLIT, GATE, HAS_A, HAS_BIAS,
                                 IS_VARLEN, BLOCK_REFS, ONE_LAUNCH, STEEP_DOT_PREC, ROW_BLOCK_DOTS, FAST_EXP)
     else:
         # The K slice varies fastest over the grid: the slices of one chunk run side by
         # side and share their loads of dA_kk, dA_qk through L2.
-        _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, g, A_log, dt_bias,
+        _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, A_log, dt_bias,
                         lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
                         tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
                         K, BT, BC, BKD, STEEP, DOT_PREC, MAX_SPLIT, GATE, HAS_A, HAS_BIAS,
@@ -119,7 +128,7 @@ def kda_intra_bwd_a_kernel(
 
 
 @triton.jit
-def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, g, A_log, dt_bias,
+def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, A_log, dt_bias,
                     lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
                     i_s, i_c, i_bh,
                     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
@@ -139,6 +148,8 @@ def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, g
     daqk += (bos * HV + i_hv) * BT
     dq += (bos * HV + i_hv) * K
     dk += (bos * HV + i_hv) * K
+    dq_out += (bos * HV + i_hv) * K  # [B, T, H, K] where it is not dq (G = 1: H = HV)
+    dk_out += (bos * HV + i_hv) * K
     dg += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
     dgam_last += (g_c * HV + i_hv) * K
@@ -163,25 +174,25 @@ def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, g
     flag = tl.load(steep + g_c * HV + i_hv)
     if ONE_LAUNCH:
         if flag == 0:
-            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP)
         else:
-            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
                              BLOCK_REFS, ROW_BLOCK_DOTS)
     elif not STEEP:
         if flag == 0:
-            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP)
     else:
         if flag != 0:
-            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
                              BLOCK_REFS, ROW_BLOCK_DOTS)
 
 
 @triton.jit
-def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                      o_s, m_s, b_ga, b_gbias, lower_bound,
                      K: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, GATE: tl.constexpr,
                      FAST_EXP: tl.constexpr):
@@ -209,12 +220,12 @@ def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_
     b_tkj = b_en * (tl.dot(tl.trans(b_dqk), b_q * b_ep, input_precision=DOT_PREC)
                     + tl.dot(tl.trans(b_dkk), b_k * b_ep, input_precision=DOT_PREC))
     row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
-    _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
+    _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
                   b_q, b_k, b_tq, b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE)
 
 
 @triton.jit
-def _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+def _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                           o_s, m_s, b_ga, b_gbias, lower_bound, b_q, b_k, b_g,
                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
                           DOT_PREC: tl.constexpr, GATE: tl.constexpr):
@@ -260,13 +271,13 @@ def _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g,
             b_tq3 = tl.where(here, b_tq_i[None, :, :], b_tq3)
             b_tk3 = tl.where(here, b_tk_i[None, :, :], b_tk3)
     row_ts = (o_r[:, None]) * (HV * K) + o_s[None, :]
-    _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
+    _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
                   b_q, b_k, tl.reshape(b_tq3, [BT, BKD]), tl.reshape(b_tk3, [BT, BKD]), b_tkj,
                   b_ga, b_gbias, lower_bound, GATE)
 
 
 @triton.jit
-def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                      o_s, m_s, b_ga, b_gbias, lower_bound,
                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr, DOT_PREC: tl.constexpr,
                      MAX_SPLIT: tl.constexpr, GATE: tl.constexpr, BLOCK_REFS: tl.constexpr,
@@ -289,7 +300,7 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_
                     mask=m_s[None, :], other=0.0)
     b_dblk = b_g - b_gmb
     if BLOCK_REFS and ROW_BLOCK_DOTS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
-        _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_part, dla_part, scale, T, H, HV,
+        _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                               o_s, m_s, b_ga, b_gbias, lower_bound, b_q, b_k, b_g, K, BT, BC, BKD, DOT_PREC, GATE)
     elif BLOCK_REFS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
@@ -317,7 +328,7 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_
                 b_tkj += b_ec * (tl.dot(tl.trans(b_dqk_i), b_qr, input_precision=DOT_PREC)
                                  + tl.dot(tl.trans(b_dkk_i), b_kr, input_precision=DOT_PREC))
         row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
-        _finish_chunk(dq, dk, dgam, dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
+        _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
                       b_q, b_k, b_er * b_tq, b_er * b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE)
     else:
         b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
@@ -402,8 +413,7 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, g, ddt_
                     b_dgt, b_dla = gate_bwd(b_dgt, b_graw, b_ga, b_gbias, lower_bound, GATE)
                     b_ddt += tl.sum(tl.where(m_is, b_dgt, 0.0), 0)
                     b_dla_sum += tl.sum(tl.where(m_is, b_dla, 0.0), 0)
-                tl.store(dq + row_is, b_dqi, mask=m_is)
-                tl.store(dk + row_is, b_dki, mask=m_is)
+                store_dq_dk(dq_out, dk_out, out_scale, row_is, m_is, b_dqi, b_dki)
                 tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)
         if GATE:
             tl.store(ddt_part + o_s, b_ddt, mask=m_s)

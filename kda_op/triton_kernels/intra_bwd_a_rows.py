@@ -34,13 +34,13 @@ import triton.language as tl
 from ._gate import gate_params
 from ._indexing import chunk_coords, gam_row
 from ._math import exp
-from .intra_bwd_a import _dg_of_chunk
+from .intra_bwd_a import _dg_of_chunk, store_dq_dk
 
 
 @triton.jit
 def kda_intra_bwd_a_rows_kernel(
     q, k, gam, dakk, daqk,
-    dq, dk, dgam,
+    dq, dk, dgam, dq_out, dk_out, out_scale,  # dq_out, dk_out, out_scale: intra_bwd_a.store_dq_dk
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
@@ -69,6 +69,8 @@ def kda_intra_bwd_a_rows_kernel(
     daqk += (bos * HV + i_hv) * BT
     dq += (bos * HV + i_hv) * K
     dk += (bos * HV + i_hv) * K
+    dq_out += (bos * HV + i_hv) * K  # [B, T, H, K] where it is not dq (G = 1: H = HV)
+    dk_out += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
 
     o_s = i_s * BKD + tl.arange(0, BKD)
@@ -113,8 +115,7 @@ def kda_intra_bwd_a_rows_kernel(
     b_dq = tl.load(dq + row_is, mask=m_is, other=0.0) + b_tq
     b_dk = tl.load(dk + row_is, mask=m_is, other=0.0) + b_tk + b_tkj
     b_dgam = tl.load(dgam + row_is, mask=m_is, other=0.0) + b_qi * b_tq + b_ki * (b_tk - b_tkj)
-    tl.store(dq + row_is, b_dq, mask=m_is)
-    tl.store(dk + row_is, b_dk, mask=m_is)
+    store_dq_dk(dq_out, dk_out, out_scale, row_is, m_is, b_dq, b_dk)
     tl.store(dgam + row_is, b_dgam, mask=m_is)
 
 

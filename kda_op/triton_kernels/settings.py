@@ -41,6 +41,13 @@ INTRA_WU_FWD_MAXNREG = 168
 INTRA_BWD_W_WARPS = 8  # with BKS_W = 64; at 4 warps it spilled 2.4 KB
 INTRA_BWD_WARPS = 8  # 4 -> 8 on 2026-12-03 (see INTRA_BWD_BF16_DAQK)
 INTRA_BWD_A_WARPS = 4
+# A register cap on the per-chunk backward through the A's where it takes the split chunks
+# alone (INTRA_BWD_A_ONE_LAUNCH's two launches; None: no cap). Three CTAs an SM at four warps
+# need at most 168 registers: it takes 168 at the defaults, 182 with DIRECT_DQ_DK (two CTAs
+# an SM; 165 and no spill under a cap of 168), 206 with fla's softplus gate (20 B spilled
+# under the cap); sm_90a, Triton 3.6, benchmarks/kernel_resources.py, 2026-12-04. None
+# until timed beside DIRECT_DQ_DK.
+INTRA_BWD_A_MAXNREG = None
 # How intra_wu_fwd.py gets row i of the diagonal blocks in each of the 15 steps of
 # its forward substitution: 0 cut out of the blocks in registers (a cross-warp
 # reduction), 1 loaded again from A_kk. On the H200 (bf16, B1-T8192-H16, two
@@ -474,6 +481,14 @@ BV_OUTPUT = None
 OUTPUT_WARPS = 4
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
 GVA_ROWS = 32
+# Where each key head has one value head (G = 1: nothing to sum), the backward through the
+# A's (intra_bwd_a.py, intra_bwd_a_rows.py: the last stage to touch dq and dk) writes the
+# op's dq (scaled) and dk in the inputs' dtype itself, and gva_reduce does not run (1); 0:
+# fp32 dq, dk per value head, then gva_reduce. gva_reduce at G = 1 only scales and casts, yet
+# moves 3x the bytes of dq and dk: 0.369 ms of a 12.65 ms step at B8-T8192-H16 (H200,
+# 2026-12-04, profiling/ROOFLINE.md), about 1.6 GB. Built 2026-12-04 without a device (the
+# same values under the interpreter, profiling/memory_budget.py's peak): 0 until timed.
+DIRECT_DQ_DK = 0
 # Sequences up to this length (decode steps and short prompts through chunk_kda)
 # run token by token in one launch, the state on chip (recurrent_fwd.py), instead
 # of the six launches of the chunked forward; their one chunk's boundaries are the
