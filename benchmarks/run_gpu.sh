@@ -14,6 +14,10 @@
 #   KDA_TEST_SETTINGS="A=1" VARIANTS="A=1" bash benchmarks/run_gpu.sh variant-verify
 #                                      # host time and the flags rows against fla (ours and the
 #                                      # variants, nothing beside), then the kernels' CUDA tests
+#   KDA_TEST_SETTINGS="A=1" VARIANTS="A=1" bash benchmarks/run_gpu.sh standard-variants
+#                                      # ours alone under the variants on the standard shapes
+#                                      # (kernels by GPU time), then the chunked kernels' CUDA
+#                                      # tests under KDA_TEST_SETTINGS
 #   bash benchmarks/run_gpu.sh kernel-tests   # test_cuda.py and test_triton_kernels.py alone
 #   bash benchmarks/run_gpu.sh groups-a   # every GPU test but the chunked kernels' big groups and
 #   bash benchmarks/run_gpu.sh groups-b   # the comparisons with fla, then those (two calls of
@@ -269,6 +273,21 @@ settings-time)
     step "ours and fla, varlen"
     timeout "${VARLEN_LIMIT:-300}" python3 benchmarks/bench_chunk_kda.py --mode varlen --kernels \
         --out "$OUT/RESULTS_varlen.md" >> "$LOG" 2>&1
+    collect_tests
+    ;;
+standard-variants)
+    # One call for settings built offline that the standard shapes should show (2026-12-04:
+    # STEEP_WORK_LIST, DIRECT_DQ_DK, INTRA_BWD_A_MAXNREG): ours alone under $VARIANTS with each
+    # kernel by GPU time on $BENCH_SHAPES (no fla autotuning), then the chunked kernels' CUDA
+    # tests under KDA_TEST_SETTINGS in four processes. Then, in a call of its own, `bench`
+    # with the winners set in settings.py (fla in the same process).
+    read -r -a VARS <<< "${VARIANTS:-}"
+    step "ours alone, standard shapes, variants"
+    timeout "${OURS_LIMIT:-240}" python3 benchmarks/bench_chunk_kda.py --impl ours --kernels --rounds 2 \
+        --shapes ${BENCH_SHAPES:-B2-T8192-H8-HV32 B8-T8192-H16 B1-T32768-H16} --variants "${VARS[@]}" \
+        --out "$OUT/RESULTS_ours.md" >> "$LOG" 2>&1
+    step "CUDA tests of the chunked kernels under KDA_TEST_SETTINGS=${KDA_TEST_SETTINGS:-}"
+    chunked_kernel_tests "${TEST_LIMIT:-300}" -v 1 2 3 4
     collect_tests
     ;;
 variant-verify)
