@@ -199,11 +199,11 @@ def kda_bwd_triton(
     direct = _direct_dq_dk(G)
     dq = torch.empty_like(q) if direct else None
     dk = torch.empty_like(k) if direct else None
-    out = (dq, dk, scale) if direct else (dq_e, dk_e, 1.0)  # intra_bwd_a.store_dq_dk
+    out = (dq, dk, scale) if direct else (dq_e, dk_e, 1.0)  # intra_bwd_a.store_dq_dk (unread without DIRECT_OUT)
     with _range("kda_op::bwd::intra_through_a"):
         common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, STEEP_DOT_PREC=_steep_dot_precision(q.dtype),
                       MAX_SPLIT=MAX_SPLIT, BLOCK_REFS=bool(S.STEEP_BLOCK_REFS),
-                      ROW_BLOCK_DOTS=bool(S.INTRA_BWD_A_ROW_BLOCK_DOTS), FAST_EXP=_fast_exp())
+                      ROW_BLOCK_DOTS=bool(S.INTRA_BWD_A_ROW_BLOCK_DOTS), FAST_EXP=_fast_exp(), DIRECT_OUT=direct)
         ga = _gate_args(gate, g)
         # the gate's partial sums over each chunk's rows (written where GATE)
         gate_parts = torch.empty(2, B, NC, HV, K, **f32) if gate is not None else None
@@ -216,7 +216,8 @@ def kda_bwd_triton(
             kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * HV)](
                 q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *out, *s["VL_CHUNK"], scale, T, NC,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
-                FAST_EXP=_fast_exp() and bool(S.INTRA_BWD_A_ROWS_FAST_EXP), num_warps=S.INTRA_BWD_A_ROWS_WARPS,
+                FAST_EXP=_fast_exp() and bool(S.INTRA_BWD_A_ROWS_FAST_EXP), DIRECT_OUT=direct,
+                num_warps=S.INTRA_BWD_A_ROWS_WARPS,
                 **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),
             )
             kda_dg_of_chunk_kernel[(_cdiv(K, S.DG_OF_CHUNK_BK), NC, B * HV)](

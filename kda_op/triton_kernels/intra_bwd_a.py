@@ -32,18 +32,23 @@ from ._math import exp
 
 
 @triton.jit
-def store_dq_dk(dq_out, dk_out, out_scale, offsets, mask, b_dq, b_dk):
-    """The last stage's dq and dk of a tile: ``dq_out``, ``dk_out`` are the fp32 per
-    value head buffers again (``out_scale`` 1.0: x * 1.0 is x) or, where gva_reduce
-    has nothing to sum (G = 1, settings.DIRECT_DQ_DK), the op's dq and dk in the
-    inputs' dtype, dq scaled (``out_scale`` = scale), as gva_reduce would write them."""
-    tl.store(dq_out + offsets, (b_dq * out_scale).to(dq_out.dtype.element_ty), mask=mask)
-    tl.store(dk_out + offsets, b_dk.to(dk_out.dtype.element_ty), mask=mask)
+def store_dq_dk(dq, dk, dq_out, dk_out, out_scale, offsets, mask, b_dq, b_dk, DIRECT_OUT: tl.constexpr):
+    """The last stage's dq and dk of a tile: into the fp32 per value head buffers they
+    were read from (``dq``, ``dk``), or with DIRECT_OUT, where gva_reduce has nothing to
+    sum (G = 1, settings.DIRECT_DQ_DK), into the op's dq and dk in the inputs' dtype
+    (``dq_out``, ``dk_out``), dq scaled by ``out_scale``, as gva_reduce would write them."""
+    if DIRECT_OUT:
+        tl.store(dq_out + offsets, (b_dq * out_scale).to(dq_out.dtype.element_ty), mask=mask)
+        tl.store(dk_out + offsets, b_dk.to(dk_out.dtype.element_ty), mask=mask)
+    else:
+        tl.store(dq + offsets, b_dq, mask=mask)
+        tl.store(dk + offsets, b_dk, mask=mask)
 
 
 @triton.jit
 def _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
-                  b_q, b_k, b_tq, b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE: tl.constexpr):
+                  b_q, b_k, b_tq, b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE: tl.constexpr,
+                  DIRECT_OUT: tl.constexpr = False):
     """A chunk's slice from its terms through the A's (rows, and columns ``b_tkj``):
     dq, dk, and dg (``_dg_of_chunk``)."""
     b_dq = tl.load(dq + row_ts, mask=m_ts, other=0.0) + b_tq
@@ -51,7 +56,7 @@ def _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt
     b_dgam = tl.load(dgam + row_ts, mask=m_ts, other=0.0) + b_q * b_tq + b_k * (b_tk - b_tkj)
     _dg_of_chunk(dg, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s, b_dgam, b_ga, b_gbias, lower_bound,
                  GATE)
-    store_dq_dk(dq_out, dk_out, out_scale, row_ts, m_ts, b_dq, b_dk)
+    store_dq_dk(dq, dk, dq_out, dk_out, out_scale, row_ts, m_ts, b_dq, b_dk, DIRECT_OUT)
 
 
 @triton.jit
@@ -86,7 +91,7 @@ def kda_intra_bwd_a_kernel(
     ONE_LAUNCH: tl.constexpr = False, STEEP_DOT_PREC: tl.constexpr = "ieee",
     ROW_BLOCK_DOTS: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
     n_flags=0,  # WORK_LIST: how many steep flags there are (B * NC * HV)
-    WORK_LIST: tl.constexpr = False, WL_BLOCK: tl.constexpr = 64,
+    WORK_LIST: tl.constexpr = False, WL_BLOCK: tl.constexpr = 64, DIRECT_OUT: tl.constexpr = False,
 ):
     """STEEP = False: the chunks the forward split at their middle row (the others
     return at once); STEEP = True: the steep ones, with sub-blocks. BLOCK_REFS
@@ -116,7 +121,7 @@ def kda_intra_bwd_a_kernel(
                 _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, A_log, dt_bias,
                                 lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
                                 i_s, i_c, i_bh, K, BT, BC, BKD, STEEP, DOT_PREC, MAX_SPLIT, GATE, HAS_A, HAS_BIAS,
-                                IS_VARLEN, BLOCK_REFS, ONE_LAUNCH, STEEP_DOT_PREC, ROW_BLOCK_DOTS, FAST_EXP)
+                                IS_VARLEN, BLOCK_REFS, ONE_LAUNCH, STEEP_DOT_PREC, ROW_BLOCK_DOTS, FAST_EXP, DIRECT_OUT)
     else:
         # The K slice varies fastest over the grid: the slices of one chunk run side by
         # side and share their loads of dA_kk, dA_qk through L2.
@@ -124,7 +129,7 @@ def kda_intra_bwd_a_kernel(
                         lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
                         tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
                         K, BT, BC, BKD, STEEP, DOT_PREC, MAX_SPLIT, GATE, HAS_A, HAS_BIAS,
-                        IS_VARLEN, BLOCK_REFS, ONE_LAUNCH, STEEP_DOT_PREC, ROW_BLOCK_DOTS, FAST_EXP)
+                        IS_VARLEN, BLOCK_REFS, ONE_LAUNCH, STEEP_DOT_PREC, ROW_BLOCK_DOTS, FAST_EXP, DIRECT_OUT)
 
 
 @triton.jit
@@ -135,7 +140,8 @@ def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, d
                     STEEP: tl.constexpr, DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr,
                     GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr,
                     IS_VARLEN: tl.constexpr, BLOCK_REFS: tl.constexpr, ONE_LAUNCH: tl.constexpr,
-                    STEEP_DOT_PREC: tl.constexpr, ROW_BLOCK_DOTS: tl.constexpr, FAST_EXP: tl.constexpr):
+                    STEEP_DOT_PREC: tl.constexpr, ROW_BLOCK_DOTS: tl.constexpr, FAST_EXP: tl.constexpr,
+                    DIRECT_OUT: tl.constexpr):
     """kda_intra_bwd_a_kernel's work on K slice ``i_s`` of chunk slot ``i_c`` of
     (batch *) value head ``i_bh`` (64-bit)."""
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
@@ -148,8 +154,9 @@ def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, d
     daqk += (bos * HV + i_hv) * BT
     dq += (bos * HV + i_hv) * K
     dk += (bos * HV + i_hv) * K
-    dq_out += (bos * HV + i_hv) * K  # [B, T, H, K] where it is not dq (G = 1: H = HV)
-    dk_out += (bos * HV + i_hv) * K
+    if DIRECT_OUT:  # the op's [B, T, H, K] dq, dk (G = 1: H = HV)
+        dq_out += (bos * HV + i_hv) * K
+        dk_out += (bos * HV + i_hv) * K
     dg += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
     dgam_last += (g_c * HV + i_hv) * K
@@ -175,27 +182,29 @@ def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, d
     if ONE_LAUNCH:
         if flag == 0:
             _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
-                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP)
+                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP,
+                             DIRECT_OUT=DIRECT_OUT)
         else:
             _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
-                             BLOCK_REFS, ROW_BLOCK_DOTS)
+                             BLOCK_REFS, ROW_BLOCK_DOTS, DIRECT_OUT=DIRECT_OUT)
     elif not STEEP:
         if flag == 0:
             _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
-                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP)
+                             o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP,
+                             DIRECT_OUT=DIRECT_OUT)
     else:
         if flag != 0:
             _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
-                             BLOCK_REFS, ROW_BLOCK_DOTS)
+                             BLOCK_REFS, ROW_BLOCK_DOTS, DIRECT_OUT=DIRECT_OUT)
 
 
 @triton.jit
 def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                      o_s, m_s, b_ga, b_gbias, lower_bound,
                      K: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, GATE: tl.constexpr,
-                     FAST_EXP: tl.constexpr):
+                     FAST_EXP: tl.constexpr, DIRECT_OUT: tl.constexpr = False):
     """A chunk the forward split at its middle row (steep flag 0), one K slice."""
     # Split at the middle row m as the forward did: every factor lies within
     # exp(+-MAX_SPLIT); dA_kk and dA_qk are zero above their diagonals, so no
@@ -221,14 +230,14 @@ def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out,
                     + tl.dot(tl.trans(b_dkk), b_k * b_ep, input_precision=DOT_PREC))
     row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
     _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
-                  b_q, b_k, b_tq, b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE)
+                  b_q, b_k, b_tq, b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE, DIRECT_OUT=DIRECT_OUT)
 
 
 @triton.jit
 def _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
                           o_s, m_s, b_ga, b_gbias, lower_bound, b_q, b_k, b_g,
                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
-                          DOT_PREC: tl.constexpr, GATE: tl.constexpr):
+                          DOT_PREC: tl.constexpr, GATE: tl.constexpr, DIRECT_OUT: tl.constexpr = False):
     """The block-reference path (each BC-row block's middle row m(i) the reference of
     its rows) with each block's dots on its own rows of dA: [BC, BT] x [BT, BKD] for its
     rows' terms and [BT, BC] x [BC, BKD] for what its rows give the columns before them,
@@ -273,7 +282,7 @@ def _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq
     row_ts = (o_r[:, None]) * (HV * K) + o_s[None, :]
     _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
                   b_q, b_k, tl.reshape(b_tq3, [BT, BKD]), tl.reshape(b_tk3, [BT, BKD]), b_tkj,
-                  b_ga, b_gbias, lower_bound, GATE)
+                  b_ga, b_gbias, lower_bound, GATE, DIRECT_OUT=DIRECT_OUT)
 
 
 @triton.jit
@@ -281,7 +290,7 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out,
                      o_s, m_s, b_ga, b_gbias, lower_bound,
                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr, DOT_PREC: tl.constexpr,
                      MAX_SPLIT: tl.constexpr, GATE: tl.constexpr, BLOCK_REFS: tl.constexpr,
-                     ROW_BLOCK_DOTS: tl.constexpr = False):
+                     ROW_BLOCK_DOTS: tl.constexpr = False, DIRECT_OUT: tl.constexpr = False):
     """A steep chunk (steep flag 1 or 2), one K slice, by sub-blocks of BC rows."""
     o_c = tl.arange(0, BC)
     causal = (o_c[:, None] >= o_c[None, :])[:, :, None]
@@ -301,7 +310,8 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out,
     b_dblk = b_g - b_gmb
     if BLOCK_REFS and ROW_BLOCK_DOTS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
         _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
-                              o_s, m_s, b_ga, b_gbias, lower_bound, b_q, b_k, b_g, K, BT, BC, BKD, DOT_PREC, GATE)
+                              o_s, m_s, b_ga, b_gbias, lower_bound, b_q, b_k, b_g, K, BT, BC, BKD, DOT_PREC, GATE,
+                              DIRECT_OUT=DIRECT_OUT)
     elif BLOCK_REFS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
         b_dqk = tl.load(daqk + p_a, mask=m_t[:, None], other=0.0)
@@ -329,7 +339,7 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out,
                                  + tl.dot(tl.trans(b_dkk_i), b_kr, input_precision=DOT_PREC))
         row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
         _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
-                      b_q, b_k, b_er * b_tq, b_er * b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE)
+                      b_q, b_k, b_er * b_tq, b_er * b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE, DIRECT_OUT=DIRECT_OUT)
     else:
         b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
         b_ddt = tl.zeros([BKD], dtype=tl.float32)  # the gate's partial sums (GATE)
@@ -413,7 +423,7 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out,
                     b_dgt, b_dla = gate_bwd(b_dgt, b_graw, b_ga, b_gbias, lower_bound, GATE)
                     b_ddt += tl.sum(tl.where(m_is, b_dgt, 0.0), 0)
                     b_dla_sum += tl.sum(tl.where(m_is, b_dla, 0.0), 0)
-                store_dq_dk(dq_out, dk_out, out_scale, row_is, m_is, b_dqi, b_dki)
+                store_dq_dk(dq, dk, dq_out, dk_out, out_scale, row_is, m_is, b_dqi, b_dki, DIRECT_OUT)
                 tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)
         if GATE:
             tl.store(ddt_part + o_s, b_ddt, mask=m_s)

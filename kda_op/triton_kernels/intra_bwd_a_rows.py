@@ -46,6 +46,7 @@ def kda_intra_bwd_a_rows_kernel(
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
     DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
+    DIRECT_OUT: tl.constexpr = False,  # intra_bwd_a.store_dq_dk
 ):
     # FAST_EXP: _math.exp without subnormals.
     # The K slice varies fastest, then the row block (both on the grid's first axis, so
@@ -69,8 +70,9 @@ def kda_intra_bwd_a_rows_kernel(
     daqk += (bos * HV + i_hv) * BT
     dq += (bos * HV + i_hv) * K
     dk += (bos * HV + i_hv) * K
-    dq_out += (bos * HV + i_hv) * K  # [B, T, H, K] where it is not dq (G = 1: H = HV)
-    dk_out += (bos * HV + i_hv) * K
+    if DIRECT_OUT:  # the op's [B, T, H, K] dq, dk (G = 1: H = HV)
+        dq_out += (bos * HV + i_hv) * K
+        dk_out += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
 
     o_s = i_s * BKD + tl.arange(0, BKD)
@@ -115,7 +117,7 @@ def kda_intra_bwd_a_rows_kernel(
     b_dq = tl.load(dq + row_is, mask=m_is, other=0.0) + b_tq
     b_dk = tl.load(dk + row_is, mask=m_is, other=0.0) + b_tk + b_tkj
     b_dgam = tl.load(dgam + row_is, mask=m_is, other=0.0) + b_qi * b_tq + b_ki * (b_tk - b_tkj)
-    store_dq_dk(dq_out, dk_out, out_scale, row_is, m_is, b_dq, b_dk)
+    store_dq_dk(dq, dk, dq_out, dk_out, out_scale, row_is, m_is, b_dq, b_dk, DIRECT_OUT)
     tl.store(dgam + row_is, b_dgam, mask=m_is)
 
 
