@@ -118,14 +118,16 @@ def kda_intra_bwd_a_kernel(
                 item = tl.min(pending, 0)
                 pending = tl.where(o_w == item, end, pending)
                 i_c, i_bh, i_s = work_list_item(item, NC, HV, NKS)
-                _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, A_log, dt_bias,
+                _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                                g, A_log, dt_bias,
                                 lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
                                 i_s, i_c, i_bh, K, BT, BC, BKD, STEEP, DOT_PREC, MAX_SPLIT, GATE, HAS_A, HAS_BIAS,
                                 IS_VARLEN, BLOCK_REFS, ONE_LAUNCH, STEEP_DOT_PREC, ROW_BLOCK_DOTS, FAST_EXP, DIRECT_OUT)
     else:
         # The K slice varies fastest over the grid: the slices of one chunk run side by
         # side and share their loads of dA_kk, dA_qk through L2.
-        _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, A_log, dt_bias,
+        _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                        g, A_log, dt_bias,
                         lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
                         tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64),
                         K, BT, BC, BKD, STEEP, DOT_PREC, MAX_SPLIT, GATE, HAS_A, HAS_BIAS,
@@ -133,7 +135,8 @@ def kda_intra_bwd_a_kernel(
 
 
 @triton.jit
-def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, A_log, dt_bias,
+def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                    g, A_log, dt_bias,
                     lower_bound, ddt_part, dla_part, cu_seqlens, chunk_index, scale, T, NC, H, HV,
                     i_s, i_c, i_bh,
                     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
@@ -181,27 +184,32 @@ def _through_a_item(q, k, gam, dakk, daqk, dgam_last, steep, dq, dk, dgam, dg, d
     flag = tl.load(steep + g_c * HV + i_hv)
     if ONE_LAUNCH:
         if flag == 0:
-            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
+            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                             g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP,
                              DIRECT_OUT=DIRECT_OUT)
         else:
-            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
+            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                             g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
                              BLOCK_REFS, ROW_BLOCK_DOTS, DIRECT_OUT=DIRECT_OUT)
     elif not STEEP:
         if flag == 0:
-            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
+            _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                             g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, DOT_PREC, GATE, FAST_EXP,
                              DIRECT_OUT=DIRECT_OUT)
     else:
         if flag != 0:
-            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
+            _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                             g, ddt_part, dla_part, scale, T, H, HV,
                              o_s, m_s, b_ga, b_gbias, lower_bound, K, BT, BC, BKD, STEEP_DOT_PREC, MAX_SPLIT, GATE,
                              BLOCK_REFS, ROW_BLOCK_DOTS, DIRECT_OUT=DIRECT_OUT)
 
 
 @triton.jit
-def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
+def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                     g, ddt_part, dla_part, scale, T, H, HV,
                      o_s, m_s, b_ga, b_gbias, lower_bound,
                      K: tl.constexpr, BT: tl.constexpr, DOT_PREC: tl.constexpr, GATE: tl.constexpr,
                      FAST_EXP: tl.constexpr, DIRECT_OUT: tl.constexpr = False):
@@ -234,7 +242,8 @@ def _through_a_split(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out,
 
 
 @triton.jit
-def _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
+def _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                          g, ddt_part, dla_part, scale, T, H, HV,
                           o_s, m_s, b_ga, b_gbias, lower_bound, b_q, b_k, b_g,
                           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
                           DOT_PREC: tl.constexpr, GATE: tl.constexpr, DIRECT_OUT: tl.constexpr = False):
@@ -286,7 +295,8 @@ def _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq
 
 
 @triton.jit
-def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
+def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                     g, ddt_part, dla_part, scale, T, H, HV,
                      o_s, m_s, b_ga, b_gbias, lower_bound,
                      K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr, DOT_PREC: tl.constexpr,
                      MAX_SPLIT: tl.constexpr, GATE: tl.constexpr, BLOCK_REFS: tl.constexpr,
@@ -309,7 +319,8 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out,
                     mask=m_s[None, :], other=0.0)
     b_dblk = b_g - b_gmb
     if BLOCK_REFS and ROW_BLOCK_DOTS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
-        _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale, g, ddt_part, dla_part, scale, T, H, HV,
+        _through_a_row_blocks(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                              g, ddt_part, dla_part, scale, T, H, HV,
                               o_s, m_s, b_ga, b_gbias, lower_bound, b_q, b_k, b_g, K, BT, BC, BKD, DOT_PREC, GATE,
                               DIRECT_OUT=DIRECT_OUT)
     elif BLOCK_REFS and tl.max(tl.max(tl.abs(b_dblk), 1), 0) <= MAX_SPLIT:
@@ -338,8 +349,10 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out,
                 b_tkj += b_ec * (tl.dot(tl.trans(b_dqk_i), b_qr, input_precision=DOT_PREC)
                                  + tl.dot(tl.trans(b_dkk_i), b_kr, input_precision=DOT_PREC))
         row_ts = (o_t[:, None]) * (HV * K) + o_s[None, :]
-        _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale, dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
-                      b_q, b_k, b_er * b_tq, b_er * b_tk, b_tkj, b_ga, b_gbias, lower_bound, GATE, DIRECT_OUT=DIRECT_OUT)
+        _finish_chunk(dq, dk, dgam, dg, dq_out, dk_out, out_scale,
+                      dgam_last, g, ddt_part, dla_part, row_ts, m_ts, o_s, m_s,
+                      b_q, b_k, b_er * b_tq, b_er * b_tk, b_tkj, b_ga, b_gbias,
+                      lower_bound, GATE, DIRECT_OUT=DIRECT_OUT)
     else:
         b_carry = tl.load(dgam_last + o_s, mask=m_s, other=0.0)
         b_ddt = tl.zeros([BKD], dtype=tl.float32)  # the gate's partial sums (GATE)
@@ -423,7 +436,8 @@ def _through_a_steep(q, k, gam, dakk, daqk, dgam_last, dq, dk, dgam, dg, dq_out,
                     b_dgt, b_dla = gate_bwd(b_dgt, b_graw, b_ga, b_gbias, lower_bound, GATE)
                     b_ddt += tl.sum(tl.where(m_is, b_dgt, 0.0), 0)
                     b_dla_sum += tl.sum(tl.where(m_is, b_dla, 0.0), 0)
-                store_dq_dk(dq, dk, dq_out, dk_out, out_scale, row_is, m_is, b_dqi, b_dki, DIRECT_OUT)
+                store_dq_dk(dq, dk, dq_out, dk_out, out_scale, row_is, m_is, b_dqi, b_dki,
+                            DIRECT_OUT)
                 tl.store(dg + row_is, b_dgt.to(dg.dtype.element_ty), mask=m_is)
         if GATE:
             tl.store(ddt_part + o_s, b_ddt, mask=m_s)
