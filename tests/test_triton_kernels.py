@@ -48,12 +48,17 @@ def _rel_close(got, want, name):
 def _on_launch(monkeypatch, module, name, record):
     """Replace the kernel ``module.name`` by one that calls ``record(kwargs)`` at each
     launch, then launches the kernel as it is."""
+    _on_grid(monkeypatch, module, name, lambda grid, kw: record(kw))
+
+
+def _on_grid(monkeypatch, module, name, record):
+    """As _on_launch, with ``record(grid, kwargs)``."""
     kernel = getattr(module, name)
 
     class Recording:
         def __getitem__(self, grid):
             def launch(*a, **kw):
-                record(kw)
+                record(grid, kw)
                 return kernel[grid](*a, **kw)
             return launch
 
@@ -448,21 +453,6 @@ def test_triton_backward_through_the_as_takes_one_launch_for_packed_sequences_on
     monkeypatch.setattr(settings, "INTRA_BWD_A_ONE_LAUNCH", 3)
     with pytest.raises(ValueError, match="INTRA_BWD_A_ONE_LAUNCH"):
         kda_bwd_triton(*args, cs, dO.to(DEVICE), None, kept, cu_seqlens=cu_d)
-
-
-def _on_grid(monkeypatch, module, name, record):
-    """Replace the kernel ``module.name`` by one that calls ``record(grid, kwargs)`` at
-    each launch, then launches the kernel as it is."""
-    kernel = getattr(module, name)
-
-    class Recording:
-        def __getitem__(self, grid):
-            def launch(*a, **kw):
-                record(grid, kw)
-                return kernel[grid](*a, **kw)
-            return launch
-
-    monkeypatch.setattr(module, name, Recording())
 
 
 @pytest.mark.parametrize("packed,row_programs", [(False, 1), (False, 0), (True, 1)])
