@@ -40,8 +40,9 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
     ("--gate", "2", "--set", "INTRA_BWD_A_ROW_BLOCK_DOTS=1", "INTRA_A_ROW_PROGRAMS=0", "INTRA_BWD_A_ROW_PROGRAMS=0",
      "INTRA_WU_BK=None"),
     ("--gate", "2", "--set", "INTRA_A_BLOCK_REFS=0"),  # the forward's steep chunks all through the steep launch
-    # the steep launches as work lists, the backward's own dq and dk at G = 1 (both off by default)
-    ("--set", "STEEP_WORK_LIST=1", "DIRECT_DQ_DK=1", "INTRA_BWD_A_MAXNREG=168"),
+    # the steep launches as full grids, dq and dk through gva_reduce at G = 1, no register cap
+    # (the defaults before 2026-12-05)
+    ("--set", "STEEP_WORK_LIST=0", "DIRECT_DQ_DK=0", "INTRA_BWD_A_MAXNREG=None"),
 ])
 def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
     """bf16 inputs under the options that are not the defaults."""

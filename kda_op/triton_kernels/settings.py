@@ -45,9 +45,10 @@ INTRA_BWD_A_WARPS = 4
 # alone (INTRA_BWD_A_ONE_LAUNCH's two launches; None: no cap). Three CTAs an SM at four warps
 # need at most 168 registers: it takes 168 at the defaults, 182 with DIRECT_DQ_DK (two CTAs
 # an SM; 165 and no spill under a cap of 168), 206 with fla's softplus gate (20 B spilled
-# under the cap); sm_90a, Triton 3.6, benchmarks/kernel_resources.py, 2026-12-04. None
-# until timed beside DIRECT_DQ_DK.
-INTRA_BWD_A_MAXNREG = None
+# under the cap); sm_90a, Triton 3.6, benchmarks/kernel_resources.py, 2026-12-04. On the
+# H200 (2026-12-05, ours alone, B8-T8192-H16, DIRECT_DQ_DK on): kda_intra_bwd_a 3.169 ms
+# uncapped, 2.540 capped (2.662 at the old defaults); step 12.854 -> 12.221 ms.
+INTRA_BWD_A_MAXNREG = 168
 # How intra_wu_fwd.py gets row i of the diagonal blocks in each of the 15 steps of
 # its forward substitution: 0 cut out of the blocks in registers (a cross-warp
 # reduction), 1 loaded again from A_kk. On the H200 (bf16, B1-T8192-H16, two
@@ -261,9 +262,11 @@ STEEP_FWD_ROW_PROGRAMS = 1
 # (0). At the standard inputs (fp32 log decays, the host cannot bound the gate) almost no
 # chunk is steep, yet the launches run: the forward's 32768 programs that only read their
 # flag took 0.059 ms at B2-T8192-H8-HV32 and 0.117 at B8-T8192-H16 (H200, 2026-12-04),
-# the backward's as many again. Built 2026-12-04 without a device (the interpreter's
-# tests: the same bits as the full grid, every flag, packed too): 0 until timed.
-STEEP_WORK_LIST = 0
+# the backward's as many again. On the H200 (2026-12-05, ours alone, kernels by GPU time):
+# the forward's steep launch 0.116 -> 0.005 ms at B8-T8192-H16, kda_intra_bwd_a 2.662 ->
+# 2.552; forward 3.003 -> 2.902 ms, step 12.696 -> 12.492 (B2-T8192-H8-HV32: 1.494 ->
+# 1.448, 6.314 -> 6.234; B1-T32768-H16: 1.986 -> 1.942, 8.081 -> 7.984).
+STEEP_WORK_LIST = 1
 WORK_LIST_PER_SM = 8
 WORK_LIST_PROGRAMS = None
 WORK_LIST_BLOCK = 64
@@ -486,9 +489,12 @@ GVA_ROWS = 32
 # op's dq (scaled) and dk in the inputs' dtype itself, and gva_reduce does not run (1); 0:
 # fp32 dq, dk per value head, then gva_reduce. gva_reduce at G = 1 only scales and casts, yet
 # moves 3x the bytes of dq and dk: 0.369 ms of a 12.65 ms step at B8-T8192-H16 (H200,
-# 2026-12-04, profiling/ROOFLINE.md), about 1.6 GB. Built 2026-12-04 without a device (the
-# same values under the interpreter, profiling/memory_budget.py's peak): 0 until timed.
-DIRECT_DQ_DK = 0
+# 2026-12-04, profiling/ROOFLINE.md), about 1.6 GB. On the H200 (2026-12-05, ours alone, with
+# INTRA_BWD_A_MAXNREG = 168; without the cap the split launch falls to two CTAs an SM and
+# the step is slower): step 12.696 -> 12.185 ms at B8-T8192-H16, 8.081 -> 7.821 at
+# B1-T32768-H16, unchanged at B2-T8192-H8-HV32 (G = 4). With STEEP_WORK_LIST too: 12.001,
+# 7.736 and 6.211 ms (forward 2.901, 1.939, 1.446).
+DIRECT_DQ_DK = 1
 # Sequences up to this length (decode steps and short prompts through chunk_kda)
 # run token by token in one launch, the state on chip (recurrent_fwd.py), instead
 # of the six launches of the chunked forward; their one chunk's boundaries are the
