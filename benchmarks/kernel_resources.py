@@ -29,7 +29,8 @@ from kda_op import _contract
 from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
 from kda_op.triton_kernels import settings as S
-from kda_op.triton_kernels._host import _INDEX_SEQS, _INDEX_SLOTS, _dot_precision, _sizes, _steep_dot_precision
+from kda_op.triton_kernels._host import (_INDEX_SEQS, _INDEX_SLOTS, _dot_precision, _sizes, _steep_dot_precision,
+                                         scan_bwd_warps)
 from kda_op.triton_kernels.settings import BC, BT, MAX_SPLIT
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -251,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
               ds_offsets="*i64", **ints),
          dict(common, **varlen, BK=s["BK"], BV=args.scan_bv or s["BV_SCAN_BWD"], HAS_DHT=True, DOT_PREC=prec,
               BF16_DOTS=bool(s["SCAN_BWD_BF16_DOTS"]) and aq == "*bf16" and dsc == "*bf16"),
-         S.SCAN_BWD_WARPS or S.SCAN_WARPS, s["SCAN_BWD_STAGES"]),
+         scan_bwd_warps(args.scan_bv or s["BV_SCAN_BWD"], s["BK"]), s["SCAN_BWD_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
          dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, ds_offsets="*i64", scale="fp32",

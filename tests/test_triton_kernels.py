@@ -1072,6 +1072,49 @@ def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
             assert err < 1e-2, (name, keep, err)
 
 
+def test_triton_backward_scan_v_block_of_16_takes_four_warps(monkeypatch):
+    """settings.BV_SCAN_BWD_MIN = 16 (bf16 operands, few heads): the fused backward scan runs
+    V blocks of 16 at SCAN_BWD_WARPS_BV16 warps (eight faulted on the H200) where BK <= 128,
+    at SCAN_WARPS where BK = 256 (four spill) or above 16, at SCAN_BWD_WARPS where that is
+    set; its grads are those of the V block of 32 and close to the fp64 reference."""
+    from kda_op.triton_kernels import _host, bwd, settings
+
+    names = ("q", "k", "v", "g", "beta")
+    inputs = make_inputs(B=1, T=CHUNK_SIZE + 40, H=1, G=2, K=32, V=48, dtype=torch.float64, seed=41)
+    xbf = [x.float() if n == "g" else x.to(torch.bfloat16) for n, x in zip(names, (inputs[n] for n in names))]
+    h0 = inputs["initial_state"]
+    gen = torch.Generator().manual_seed(42)
+    do = torch.randn(1, CHUNK_SIZE + 40, 2, 48, generator=gen).to(torch.bfloat16)
+    dht = torch.randn(1, 2, 32, 48, generator=gen)
+    args = [x.to(DEVICE) for x in xbf] + [None, h0.float().to(DEVICE)]
+    launches = []
+    _on_launch(monkeypatch, bwd, "kda_state_bwd_fused_kernel", lambda kw: launches.append((kw["BV"], kw["num_warps"])))
+    results = {}
+    for bv_min in (32, 16):
+        monkeypatch.setattr(settings, "BV_SCAN_BWD_MIN", bv_min)
+        launches.clear()
+        o, ht, cs, kept = kda_fwd_triton(*args, keep_intermediates=True)
+        results[bv_min] = kda_bwd_triton(*args, cs, do.to(DEVICE), dht.to(DEVICE), intermediates=kept)
+        assert launches == [(bv_min, settings.SCAN_BWD_WARPS_BV16 if bv_min == 16 else settings.SCAN_WARPS)], launches
+    ref_in = [x.double() for x in xbf]
+    o_ref, ht_ref, cs_ref = kda_forward_reference(*ref_in, None, h0)
+    grads_ref = kda_backward_reference(*ref_in, None, h0, cs_ref, do.double(), dht.double())
+    for name, a, b, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), results[16], results[32], grads_ref):
+        # the same dots per element at either V block (V splits no sum): equal up to the
+        # order Triton gives a dot's K loop, well inside bf16's 2^-8
+        torch.testing.assert_close(a.cpu().double(), b.cpu().double(), rtol=1e-3, atol=1e-3, msg=name)
+        err = ((a.cpu().double() - want).norm() / want.norm()).item()
+        assert err < 1e-2, (name, err)  # as test_triton_bf16_inputs_match_reference
+    # the choice elsewhere (sizes only): K = 256 keeps SCAN_WARPS, as does an explicit setting
+    monkeypatch.setattr(settings, "BV_SCAN_BWD_MIN", 16)
+    q256 = torch.zeros(1, 8, 1, 256, dtype=torch.bfloat16)
+    assert _host._sizes(q256, q256)["SCAN_BWD_WARPS"] == settings.SCAN_WARPS
+    q128 = torch.zeros(1, 8, 1, 128, dtype=torch.bfloat16)
+    assert (_host._sizes(q128, q128)["BV_SCAN_BWD"], _host._sizes(q128, q128)["SCAN_BWD_WARPS"]) == (16, 4)
+    monkeypatch.setattr(settings, "SCAN_BWD_WARPS", 8)
+    assert _host._sizes(q128, q128)["SCAN_BWD_WARPS"] == 8
+
+
 @pytest.mark.parametrize("T,with_h0", [(1, True), (7, False), (16, True)])
 def test_triton_short_sequences_route_to_the_recurrent_kernel(T, with_h0, monkeypatch):
     """Up to RECURRENT_MAX_T tokens the chunked forward runs the recurrent kernel;

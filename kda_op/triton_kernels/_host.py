@@ -120,6 +120,13 @@ def _scan_block_v(B: int, HV: int, V: int, device: torch.device, bv_min: int, pe
     return bv
 
 
+def scan_bwd_warps(bv: int, bk: int) -> int:
+    """The fused backward scan's warps at V block ``bv`` and K block ``bk``: settings.SCAN_BWD_WARPS
+    where set, else SCAN_BWD_WARPS_BV16 at a V block of 16 and BK <= 128 (eight warps faulted
+    there on the H200; at BK = 256 four spill) and SCAN_WARPS otherwise."""
+    return S.SCAN_BWD_WARPS or (S.SCAN_BWD_WARPS_BV16 if bv == 16 and bk <= 128 else S.SCAN_WARPS)
+
+
 def _work_list(n_items, device: torch.device) -> Optional[tuple]:
     """The 1-D grid of a work-list launch over ``n_items`` items (settings.STEEP_WORK_LIST),
     or None where the setting is off (the full grid then). At most one program per item
@@ -292,6 +299,7 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
     # BK = 256: one stage at fp32 operands (shared memory), SCAN_STAGES_WIDE_BF16 at bf16
     wide_stages = S.SCAN_STAGES_WIDE_BF16 if bf16_operands else 1
     fwd_stages = ((S.SCAN_FWD_STAGES or S.SCAN_STAGES) if bf16_operands else S.SCAN_STAGES) if BK <= 128 else wide_stages
+    bv_scan_bwd = _scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_BWD_MIN, bv_scan_min), S.SCAN_BWD_PER_SM)
     return dict(
         B=B, T=T, H=H, K=K, HV=HV, V=V,
         **varlen,
@@ -301,7 +309,8 @@ def _sizes(q: Tensor, v: Tensor, scan_batch: Optional[int] = None, cu_seqlens: O
         BV_SCAN=_scan_block_v(scan_b, HV, V, q.device, bv_scan_min),
         BV_SCAN_FWD=_scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_FWD or 0, bv_scan_min), S.SCAN_FWD_PER_SM),
         # the fused backward scan (settings.SCAN_BWD_FUSED): its V block and stages
-        BV_SCAN_BWD=_scan_block_v(scan_b, HV, V, q.device, max(S.BV_SCAN_BWD_MIN, bv_scan_min), S.SCAN_BWD_PER_SM),
+        BV_SCAN_BWD=bv_scan_bwd,
+        SCAN_BWD_WARPS=scan_bwd_warps(bv_scan_bwd, BK),
         SCAN_BWD_STAGES=S.SCAN_BWD_STAGES if bf16_operands and BK <= 128 else 1,
         SCAN_BWD_BF16_DOTS=bf16_operands and bool(S.SCAN_BWD_BF16_DOTS),
         SCAN_STAGES=S.SCAN_STAGES if BK <= 128 else wide_stages,

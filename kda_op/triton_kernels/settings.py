@@ -387,7 +387,16 @@ SCAN_BWD_BF16_DOTS = 1
 BV_SCAN_BWD_MIN = 32
 SCAN_BWD_PER_SM = 1
 SCAN_BWD_STAGES = 2
-SCAN_BWD_WARPS = None  # None: SCAN_WARPS
+SCAN_BWD_WARPS = None  # None: SCAN_BWD_WARPS_BV16 at a V block of 16, SCAN_WARPS above (_host.scan_bwd_warps)
+# ... at a V block of 16 (BV_SCAN_BWD_MIN = 16: every SM busy where the heads are few) and
+# BK <= 128 (at 256 four warps spill 272 B; sm_90a, Triton 3.6), four warps: on the H200 (2026-12-05, ours alone, B1-T32768-H16, one process per variant) it ran
+# without a fault (at eight warps it faulted, above), its grads within 5e-5 of the V block
+# of 32's (norm-relative), kda_state_bwd_fused 1.845 -> 1.598 ms, step 7.758 -> 7.489 ms
+# (four warps at 32: 1.745 ms, step 7.621). ncu of the V block of 32 (eight warps, 64
+# programs: half the SMs): 10 cycles between a warp's instructions, a third of them waiting
+# on loads; 9.5% of the SMs' compute, 10% of DRAM. BV_SCAN_BWD_MIN stays 32 until the GPU
+# tests have run at 16 (KDA_TEST_SETTINGS="BV_SCAN_BWD_MIN=16").
+SCAN_BWD_WARPS_BV16 = 4
 # The forward scan alone (None: as above): its warps, stages (bf16 operands and
 # BK <= 128 only; see _sizes) and V block (before the doubling to one wave); and
 # how many of its programs one SM runs at once, for the V block's choice (a wave =
