@@ -43,10 +43,20 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
     # the steep launches as full grids, dq and dk through gva_reduce at G = 1, no register cap
     # (the defaults before 2026-12-05)
     ("--set", "STEEP_WORK_LIST=0", "DIRECT_DQ_DK=0", "INTRA_BWD_A_MAXNREG=None"),
+
 ])
 def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
     """bf16 inputs under the options that are not the defaults."""
     _check_shared("bf16", 128, 64, *options)
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_kernels_fit_with_the_scans_loads_ahead_and_v_blocks_of_16(head_dim):
+    """bf16 inputs with the scans' loads a chunk ahead and under a row mask (settings
+    SCAN_GLAST_AHEAD, SCAN_AQK_ROW_MASK; off by default) and the backward scan's V block of
+    16 (BV_SCAN_BWD_MIN; 32 by default: four warps at K = 128, eight at 256), at one
+    sequence and head."""
+    _check_shared("bf16", head_dim, None, "--set", "SCAN_GLAST_AHEAD=1", "SCAN_AQK_ROW_MASK=1", "BV_SCAN_BWD_MIN=16")
 
 
 def _check_shared(dtype, head_dim, scan_bv, *extra):

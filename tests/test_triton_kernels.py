@@ -520,6 +520,66 @@ def test_triton_steep_work_lists_give_the_bits_of_the_full_grids(packed, row_pro
         kda_fwd_triton(*args, True, cu_seqlens=cu_d, output_final_state=not packed)
 
 
+@pytest.mark.parametrize("packed,dtype", [(False, torch.float32), (False, torch.bfloat16), (True, torch.float32)])
+def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, monkeypatch):
+    """settings.SCAN_GLAST_AHEAD (both scans load each chunk's last row of gam a chunk
+    ahead) and SCAN_AQK_ROW_MASK (the fused backward scan loads A_qk under its row mask and
+    zeroes the upper triangle after): the same outputs, chunk states and grads, bitwise, as
+    the loads where they are used, which match the reference, with NaN written above A_qk's
+    diagonal in the kept intermediates (read by neither). Weak decays, so that each chunk's
+    decay reaches the states. A batch of two with initial
+    states, a final state's grad and a partial last chunk (the loops from their first
+    chunk), and packed sequences without states (both scans take their first chunk out of
+    the loop: PEEL), a one-chunk and an empty sequence among them."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import settings
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    if packed:
+        # weak decays (at most 0.05 a token): each chunk's decay exp(gam's last row) then
+        # matters to the states (make_inputs' decays take it below 1e-20)
+        cu, (q, k, v, g, beta), _, do = _packed_problem([130, 20, 0, 64, 65, 1], 81, False, 0.05)
+        h0 = dht = None
+        cu_d = cu.to(DEVICE)
+    else:
+        x = _inputs(2, 3 * CHUNK_SIZE - 20, 1, 2, 48, 40, True, seed=83)
+        q, k, v, g, beta, h0 = (x[n].cpu() for n in ("q", "k", "v", "g", "beta", "initial_state"))
+        g = g * 0.05
+        gen = torch.Generator().manual_seed(84)
+        do = torch.randn(2, g.shape[1], 2, 40, generator=gen)
+        dht = torch.randn(2, 2, 48, 40, generator=gen)
+        cu = cu_d = None
+    cast = [t if n == "g" else t.to(dtype) for n, t in zip("qkvgb", (q, k, v, g, beta))]
+    args = [t.to(DEVICE) for t in cast] + [None, None if h0 is None else h0.to(DEVICE)]
+    results = []
+    for ahead in (0, 1):
+        monkeypatch.setattr(settings, "SCAN_GLAST_AHEAD", ahead)
+        monkeypatch.setattr(settings, "SCAN_AQK_ROW_MASK", ahead)
+        o, ht, cs, kept = kda_fwd_triton(*args, True, cu_seqlens=cu_d, output_final_state=not packed)
+        # NaN above A_qk's diagonal (its rows within a chunk against its columns), where the
+        # forward wrote zeros: the backward must not read it, by mask or after the load
+        aqk = _intermediates_views(kept, _layout(args[0], args[2], cu_d)[0])["aqk"]
+        rows = torch.arange(aqk.shape[1])
+        starts = cu[torch.searchsorted(cu, rows, right=True) - 1] if packed else 0  # each row's sequence start
+        within = ((rows - starts) % CHUNK_SIZE).to(aqk.device)
+        above = torch.arange(aqk.shape[3], device=aqk.device)[None, :] > within[:, None]
+        aqk.masked_fill_(above[None, :, None, :], float("nan"))
+        grads = kda_bwd_triton(*args, cs, do.to(dtype).to(DEVICE), None if dht is None else dht.to(DEVICE), kept,
+                               cu_seqlens=cu_d)
+        results.append((o, ht, cs, kept) + tuple(grads))
+    for i, (in_place, ahead) in enumerate(zip(*results)):
+        assert torch.equal(_bytes(in_place), _bytes(ahead)), i
+    gam_last = torch.cumsum(g.double(), 1)[:, CHUNK_SIZE - 1]  # the first chunk's decay: not negligible
+    assert gam_last.min() > -5.0, gam_last.min()
+    if dtype == torch.float32:
+        want = _reference_fwd(q, k, v, g, beta, None, h0, None, cu)
+        _rel_close(results[1][0], want[0], "o")
+        want_grads = _reference_bwd(q, k, v, g, beta, None, h0, want[2], do, dht, None, cu)
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), results[1][4:], want_grads):
+            if b.numel():
+                _rel_close(a, b, name)
+
+
 @pytest.mark.parametrize("gated,packed,dtype", [
     (False, False, torch.bfloat16),  # split and steep chunks: the per-chunk backward's two launches
     (True, True, torch.float32),  # fla's bounded gate: the row-block kernel (INTRA_BWD_A_ROW_PROGRAMS)

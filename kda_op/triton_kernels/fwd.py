@@ -266,7 +266,7 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
         IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first, COMPACT_STATES=s["COMPACT_STATES"],
-        FIRST_UP=first_up, SKIP_UNKEPT_STATE=skip_unkept_state,
+        FIRST_UP=first_up, SKIP_UNKEPT_STATE=skip_unkept_state, GLAST_AHEAD=bool(S.SCAN_GLAST_AHEAD),
         num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
     )
     if s["IS_VARLEN"]:

@@ -397,6 +397,19 @@ SCAN_BWD_WARPS = None  # None: SCAN_BWD_WARPS_BV16 at a V block of 16, SCAN_WARP
 # on loads; 9.5% of the SMs' compute, 10% of DRAM. BV_SCAN_BWD_MIN stays 32 until the GPU
 # tests have run at 16 (KDA_TEST_SETTINGS="BV_SCAN_BWD_MIN=16").
 SCAN_BWD_WARPS_BV16 = 4
+# The scans' loads that the pipeliner leaves on each chunk's path (sm_90a SASS, Triton 3.6,
+# benchmarks/kernel_resources.py --sass, 2026-12-05): the chunk's last row of gam (two LDG a
+# thread, loaded just before its use, in both scans) and, in the fused backward scan, A_qk
+# under its causal mask (16 LDG.U16 a thread, element by element). SCAN_GLAST_AHEAD (1):
+# gam's row loaded a chunk ahead, carried into the next chunk. SCAN_AQK_ROW_MASK (1): A_qk
+# loaded under its row mask alone (vectorised; the pipeliner then takes it into shared
+# memory, 123 -> 131 KB at a V block of 32) and its upper triangle zeroed after the load;
+# the backward loop 555 -> 493 instructions. ncu of the backward scan at B1-T32768-H16
+# (2026-12-05): a third of the warps' stall cycles wait on such loads. Built 2026-12-05
+# after the session's device time (the interpreter's tests: the same values): 0 until timed
+# (an earlier prefetch of the backward scan's tiles faulted on the H200, SCAN_BWD_PREFETCH).
+SCAN_GLAST_AHEAD = 0
+SCAN_AQK_ROW_MASK = 0
 # The forward scan alone (None: as above): its warps, stages (bf16 operands and
 # BK <= 128 only; see _sizes) and V block (before the doubling to one wave); and
 # how many of its programs one SM runs at once, for the V block's choice (a wave =

@@ -230,7 +230,7 @@ def kda_state_bwd_fused_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     HAS_DHT: tl.constexpr, DOT_PREC: tl.constexpr, BF16_DOTS: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, HAS_DH0: tl.constexpr = True, INTERPRET: tl.constexpr = False,
-    COMPACT: tl.constexpr = False,
+    COMPACT: tl.constexpr = False, GLAST_AHEAD: tl.constexpr = False, AQK_ROW_MASK: tl.constexpr = False,
 ):
     """The reverse scan with its parallel part inside (settings.SCAN_BWD_FUSED): per
     chunk, from the last, dS_C is stored, then
@@ -299,25 +299,42 @@ def kda_state_bwd_fused_kernel(
                 b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
                 b_ds = (dot(tl.trans(b_qg), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
                         - dot(tl.trans(b_w), b_dup, BF16_DOTS, DOT_PREC, INTERPRET))
+    # GLAST_AHEAD (settings.SCAN_GLAST_AHEAD): each chunk's last row of gam loaded a chunk
+    # ahead, as in the forward scan (the chunks before the last are full).
+    if GLAST_AHEAD:
+        i_first = NC - 1 - (1 if PEEL else 0)
+        b_glast = tl.load(gam + (tl.minimum(tl.cast(i_first + 1, tl.int64) * BT, T) - 1) * (HV * K) + o_k,
+                          mask=m_k & ((i_first + 0 * o_k) >= 0), other=0.0)
     for i_rev in range(1 if PEEL else 0, NC):
         i_c = NC - 1 - i_rev
         r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
+        if GLAST_AHEAD:
+            b_glast_next = tl.load(gam + (r0 - 1) * (HV * K) + o_k, mask=m_k & ((i_c + 0 * o_k) > 0), other=0.0)
         m_t = i_c * BT + o_r < T
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         tl.store(dchunk_states + i_c * cs_stride + state_off, as_stored(b_ds, dchunk_states, INTERPRET), mask=m_kv)
         b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
         b_do = tl.load(do + r0 * (HV * V) + row_v, mask=m_tv, other=0.0)
-        b_a = tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None] & causal, other=0.0)
+        if AQK_ROW_MASK:
+            # (settings.SCAN_AQK_ROW_MASK) rows masked in the load, the upper triangle after
+            # it: under the causal mask the load goes element by element (16 LDG.U16 a
+            # thread on sm_90a) and outside the pipeliner, so every chunk waits on it
+            b_a = tl.where(causal, tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None], other=0.0), 0.0)
+        else:
+            b_a = tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None] & causal, other=0.0)
         b_dup = (dot(tl.trans(b_a), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
                  + dot(b_kr, b_ds, BF16_DOTS, DOT_PREC, INTERPRET))
         tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_tv)
         b_qg = tl.load(qg + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
         b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
-        # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
-        b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        if not GLAST_AHEAD:
+            # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
+            b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_ds = (b_ds * tl.exp(b_glast)[:, None] + dot(tl.trans(b_qg), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
                 - dot(tl.trans(b_w), b_dup, BF16_DOTS, DOT_PREC, INTERPRET))
+        if GLAST_AHEAD:
+            b_glast = b_glast_next
 
     if HAS_DH0:
         tl.store(dh0 + state_off, b_ds, mask=m_kv)

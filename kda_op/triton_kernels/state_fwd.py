@@ -29,6 +29,7 @@ def kda_state_fwd_kernel(
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, V_FIRST: tl.constexpr = False,
     COMPACT_STATES: tl.constexpr = False, FIRST_UP: tl.constexpr = True, SKIP_UNKEPT_STATE: tl.constexpr = False,
+    GLAST_AHEAD: tl.constexpr = False,
 ):
     # COMPACT_STATES (packed sequences without initial states; _indexing.py): the zero
     # state entering a sequence's first chunk and its final state are not stored in
@@ -113,9 +114,19 @@ def kda_state_fwd_kernel(
                 if wants_state:
                     b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
                     b_s = dot(tl.trans(b_kr), b_u, BF16_DOTS, DOT_PREC, INTERPRET)
-    for i_c in range(1 if PEEL else 0, NC):
+    # GLAST_AHEAD (settings.SCAN_GLAST_AHEAD): each chunk's last row of gam loaded a chunk
+    # ahead. Loaded where it is used it stays outside the pipeliner (two LDG a thread on
+    # sm_90a, the only loads of the loop not taken by it), and every chunk waits on it.
+    I_FIRST: tl.constexpr = 1 if PEEL else 0
+    if GLAST_AHEAD:
+        b_glast = tl.load(gam + (tl.minimum(tl.cast((I_FIRST + 1) * BT, tl.int64), T) - 1) * (HV * K) + o_k,
+                          mask=m_k & ((I_FIRST + 0 * o_k) < NC), other=0.0)
+    for i_c in range(I_FIRST, NC):
         tl.store(chunk_states + i_c * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
         r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
+        if GLAST_AHEAD:
+            b_glast_next = tl.load(gam + (tl.minimum(r0 + 2 * BT, T) - 1) * (HV * K) + o_k,
+                                   mask=m_k & ((i_c + 1 + 0 * o_k) < NC), other=0.0)
         m_t = i_c * BT + o_r < T
         b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_u = tl.load(u + r0 * (HV * V) + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
@@ -123,9 +134,12 @@ def kda_state_fwd_kernel(
         b_up = b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(up + r0 * (HV * V) + row_v, as_stored(b_up, up, INTERPRET), mask=m_t[:, None] & m_v[None, :])
 
-        # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
-        b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        if not GLAST_AHEAD:
+            # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
+            b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
+        if GLAST_AHEAD:
+            b_glast = b_glast_next
 
     if not COMPACT_STATES:
         tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
