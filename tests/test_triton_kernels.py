@@ -455,6 +455,19 @@ def test_triton_backward_through_the_as_takes_one_launch_for_packed_sequences_on
         kda_bwd_triton(*args, cs, dO.to(DEVICE), None, kept, cu_seqlens=cu_d)
 
 
+def _check_o_and_grads(o, grads, inputs, h0, do, dht, cu):
+    """o and the six grads (dq, dk, dv, dg, dbeta, dh0; empty ones skipped) against the
+    fp32 reference of the CPU inputs (q, k, v, g, beta), packed where ``cu`` is given."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+
+    want = _reference_fwd(*inputs, None, h0, None, cu)
+    _rel_close(o, want[0], "o")
+    want_grads = _reference_bwd(*inputs, None, h0, want[2], do, dht, None, cu)
+    for name, got, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, want_grads):
+        if ref.numel():
+            _rel_close(got, ref, name)
+
+
 @pytest.mark.parametrize("packed,row_programs", [(False, 1), (False, 0), (True, 1)])
 def test_triton_steep_work_lists_give_the_bits_of_the_full_grids(packed, row_programs, monkeypatch):
     """settings.STEEP_WORK_LIST: the forward's steep launch and the backward's steep
@@ -465,7 +478,6 @@ def test_triton_steep_work_lists_give_the_bits_of_the_full_grids(packed, row_pro
     chunks of all three flags (0 split, 1 block references, 2 the steep launch), in
     a batch of two and in packed sequences (with the backward's steep launch of its
     own, INTRA_BWD_A_ONE_LAUNCH = 0), by chunk or by row block (STEEP_FWD_ROW_PROGRAMS)."""
-    from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import bwd, fwd, settings
     from kda_op.triton_kernels._host import _intermediates_views, _layout
 
@@ -509,12 +521,7 @@ def test_triton_steep_work_lists_give_the_bits_of_the_full_grids(packed, row_pro
     assert flags.count(2) >= 2 and flags.count(1) >= 1 and flags.count(0) >= 2, flags
     for i, (full, listed) in enumerate(zip(*results)):
         assert torch.equal(_bytes(full), _bytes(listed)), i
-    want = _reference_fwd(q, k, v, g, beta, None, h0, None, cu)
-    _rel_close(results[1][0], want[0], "o")
-    want_grads = _reference_bwd(q, k, v, g, beta, None, h0, want[2], do, dht, None, cu)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), results[1][4:], want_grads):
-        if b.numel():
-            _rel_close(a, b, name)
+    _check_o_and_grads(results[1][0], results[1][4:], (q, k, v, g, beta), h0, do, dht, cu)
     monkeypatch.setattr(settings, "STEEP_WORK_LIST", 2)
     with pytest.raises(ValueError, match="STEEP_WORK_LIST"):
         kda_fwd_triton(*args, True, cu_seqlens=cu_d, output_final_state=not packed)
@@ -531,7 +538,6 @@ def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, 
     states, a final state's grad and a partial last chunk (the loops from their first
     chunk), and packed sequences without states (both scans take their first chunk out of
     the loop: PEEL), a one-chunk and an empty sequence among them."""
-    from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import settings
     from kda_op.triton_kernels._host import _intermediates_views, _layout
 
@@ -572,12 +578,7 @@ def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, 
     gam_last = torch.cumsum(g.double(), 1)[:, CHUNK_SIZE - 1]  # the first chunk's decay: not negligible
     assert gam_last.min() > -5.0, gam_last.min()
     if dtype == torch.float32:
-        want = _reference_fwd(q, k, v, g, beta, None, h0, None, cu)
-        _rel_close(results[1][0], want[0], "o")
-        want_grads = _reference_bwd(q, k, v, g, beta, None, h0, want[2], do, dht, None, cu)
-        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), results[1][4:], want_grads):
-            if b.numel():
-                _rel_close(a, b, name)
+        _check_o_and_grads(results[1][0], results[1][4:], (q, k, v, g, beta), h0, do, dht, cu)
 
 
 @pytest.mark.parametrize("gated,packed,dtype", [
