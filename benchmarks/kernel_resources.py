@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import diag_inv, gam_fwd, intra_a_fwd, intra_a_fwd_rows, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, varlen_index
+from kda_op.triton_kernels import diag_inv, gam_fwd, intra_a_fwd, intra_a_fwd_rows, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, state_output_fwd, varlen_index
 from kda_op import _contract
 from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
@@ -319,6 +319,20 @@ def main(argv: list[str] | None = None) -> int:
         steep_run = [r for r in runs if r[0] is intra_bwd_a.kda_intra_bwd_a_kernel and r[2]["STEEP"]][0]
         runs.append((steep_run[0], steep_run[1], dict(steep_run[2], STEEP=False, ONE_LAUNCH=True),
                      S.INTRA_BWD_A_WARPS, steep_run[4]))
+    if S.FUSED_OUTPUT and args.dtype == "bf16" and s["BK"] <= 128:
+        # the forward scan that writes the output (settings.FUSED_OUTPUT; bf16 operands, K <=
+        # 128 only), at its V block's floor (FUSED_OUTPUT_MIN_BV) unless --scan-bv says: as a
+        # forward that keeps its intermediates launches it, then as one that keeps nothing (no
+        # grad, the pool's prefill)
+        bv_fused = args.scan_bv or max(s["BV_SCAN_FWD"], S.FUSED_OUTPUT_MIN_BV)
+        for kept in (True, False):
+            runs.append((state_output_fwd.kda_state_output_fwd_kernel,
+                         dict(**vl_seq, kr=op, w=op, u=res, gam=f32, qg=op, aqk=aq, h0=f32, up=res, chunk_states=cs,
+                              ht=f32, o=x, **ints, slots="*i64"),
+                         dict(common, **varlen, BK=s["BK"], BV=bv_fused, HAS_H0=kept, DOT_PREC=prec, STORE_HT=True,
+                              STORE_STATES=kept, STORE_UP=kept, BF16_DOTS=bool(s["SCAN_BF16_DOTS"]),
+                              OUTPUT_BF16_DOTS=bool(s["OUTPUT_BF16_DOTS"])),
+                         S.FUSED_OUTPUT_WARPS or S.SCAN_FWD_WARPS or S.SCAN_WARPS, S.FUSED_OUTPUT_STAGES))
     if S.STEEP_WORK_LIST:
         # the steep launches as work lists (settings.STEEP_WORK_LIST)
         for fn in (intra_a_fwd.kda_intra_a_fwd_steep_kernel, intra_bwd_a.kda_intra_bwd_a_kernel):

@@ -244,8 +244,10 @@ def chunk_kda(
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, h0, A_log, dt_bias)
     )
+    # without grad (inference, prefill) the chunk states are not kept: the kernels need not store them
     o, final_state, _, _ = torch.ops.kda_op.chunk_kda_fwd(
-        q, k, v, g, beta, scale, h0, needs_grad and not recompute_in_backward, *gate, cu_seqlens, output_final_state
+        q, k, v, g, beta, scale, h0, needs_grad and not recompute_in_backward, *gate, cu_seqlens, output_final_state,
+        needs_grad,
     )
     return o, (_state_out(final_state, state_v_first) if output_final_state else None)
 

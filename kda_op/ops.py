@@ -98,6 +98,7 @@ def chunk_kda_fwd(
     lower_bound: Optional[float] = None,
     cu_seqlens: Optional[Tensor] = None,
     output_final_state: bool = True,
+    keep_chunk_states: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """KDA forward. Returns ``(o [B,T,HV,V], final_state [B,HV,K,V],
     chunk_states [B,NC+1,HV,K,V], intermediates [N] uint8)``; ``chunk_states``
@@ -113,18 +114,25 @@ def chunk_kda_fwd(
     K, V] (``kda_op._contract.varlen_state_slots``).
     ``output_final_state=False``: ``final_state`` is empty ([0]) and never formed
     (training: at 2048 packed sequences of 16 heads it is 2 GiB of fp32 written
-    for nothing); its grad is then none."""
-    return _final_state_as_asked(
+    for nothing); its grad is then none.
+    ``keep_chunk_states=False`` (a forward without grad: inference, prefill):
+    ``chunk_states`` is empty ([0]); the CUDA kernels then need not store them
+    (settings.FUSED_OUTPUT: the scan writes the output itself), and no backward can
+    follow (setup_context refuses where an input requires grad)."""
+    return _outputs_as_asked(
         _reference_fwd(q, k, v, g, beta, scale, initial_state, _gate(A_log, dt_bias, use_gate, lower_bound),
-                       cu_seqlens), output_final_state)
+                       cu_seqlens), output_final_state, keep_chunk_states)
 
 
-def _final_state_as_asked(outputs: tuple, output_final_state: bool) -> tuple:
-    """The forward op's outputs with the final state empty unless asked for."""
-    if output_final_state:
-        return outputs
-    o, final_state, *rest = outputs
-    return (o, final_state.new_empty(0), *rest)
+def _outputs_as_asked(outputs: tuple, output_final_state: bool, keep_chunk_states: bool = True) -> tuple:
+    """The forward op's outputs with the final state and the chunk states empty
+    unless asked for."""
+    o, final_state, chunk_states, *rest = outputs
+    if not output_final_state:
+        final_state = final_state.new_empty(0)
+    if not keep_chunk_states:
+        chunk_states = chunk_states.new_empty(0)
+    return (o, final_state, chunk_states, *rest)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::chunk_kda_bwd", mutates_args=(), device_types="cpu")
@@ -174,7 +182,11 @@ def _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt
 def _setup_context(ctx, inputs, output) -> None:
     _, _, chunk_states, intermediates = output
     ctx.mark_non_differentiable(chunk_states, intermediates)
-    q, k, v, g, beta, scale, initial_state, _keep, A_log, dt_bias, use_gate, lower_bound, cu_seqlens, with_ht = inputs
+    (q, k, v, g, beta, scale, initial_state, _keep, A_log, dt_bias, use_gate, lower_bound, cu_seqlens, with_ht,
+     keep_chunk_states) = inputs
+    if not keep_chunk_states:
+        raise ValueError("chunk_kda_fwd: keep_chunk_states=False keeps nothing for a backward, but an input "
+                         "requires grad; pass keep_chunk_states=True (the default) where grads are wanted")
     ctx.output_final_state = with_ht  # else the (empty) final state's grad, if any, is not a dht
     _save_for_input_grads(ctx, q, k, v, g, beta, scale, initial_state, A_log, dt_bias, use_gate, lower_bound,
                           cu_seqlens, chunk_states, intermediates)
@@ -202,8 +214,8 @@ def _backward(ctx, do: Optional[Tensor], dht: Optional[Tensor], _dchunk_states, 
     dht = dht if ctx.output_final_state else None
     dq, dk, dv, dg, dbeta, dh0, dA_log, ddt_bias = _input_grads(ctx, do, dht, ctx.saved_tensors[10])
     # one grad per input: q, k, v, g, beta, scale, initial_state, keep_intermediates,
-    # A_log, dt_bias, use_gate, lower_bound, cu_seqlens, output_final_state
-    return dq, dk, dv, dg, dbeta, None, dh0, None, dA_log, ddt_bias, None, None, None, None
+    # A_log, dt_bias, use_gate, lower_bound, cu_seqlens, output_final_state, keep_chunk_states
+    return dq, dk, dv, dg, dbeta, None, dh0, None, dA_log, ddt_bias, None, None, None, None, None
 
 
 chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -214,15 +226,17 @@ chunk_kda_fwd.register_autograd(_backward, setup_context=_setup_context)
 # (fp32 state) do not serve, run the einsum reference on the GPU: exact, slow.
 @chunk_kda_fwd.register_kernel("cuda")
 def _chunk_kda_fwd_cuda(q, k, v, g, beta, scale, initial_state, keep_intermediates=False, A_log=None,
-                        dt_bias=None, use_gate=False, lower_bound=None, cu_seqlens=None, output_final_state=True):
+                        dt_bias=None, use_gate=False, lower_bound=None, cu_seqlens=None, output_final_state=True,
+                        keep_chunk_states=True):
     gate = _gate(A_log, dt_bias, use_gate, lower_bound)
     if not chunked_kernels_serve(q.device.type, q.dtype):
-        return _final_state_as_asked(_reference_fwd(q, k, v, g, beta, scale, initial_state, gate, cu_seqlens),
-                                     output_final_state)
+        return _outputs_as_asked(_reference_fwd(q, k, v, g, beta, scale, initial_state, gate, cu_seqlens),
+                                 output_final_state, keep_chunk_states)
     from .triton_kernels import kda_fwd_triton
 
     return kda_fwd_triton(q, k, v, g, beta, scale, initial_state, keep_intermediates, gate=gate,
-                          cu_seqlens=cu_seqlens, output_final_state=output_final_state)
+                          cu_seqlens=cu_seqlens, output_final_state=output_final_state,
+                          keep_chunk_states=keep_chunk_states)
 
 
 @chunk_kda_bwd.register_kernel("cuda")

@@ -74,6 +74,52 @@ def test_forward_without_final_state(with_initial_state):
 
 
 @pytest.mark.parametrize("with_initial_state", [True, False])
+def test_forward_without_chunk_states(with_initial_state):
+    """keep_chunk_states=False (a forward without grad): the chunk states are empty
+    (fake kernel, opcheck), o and the final state as with them; where an input
+    requires grad the op refuses, naming the argument. chunk_kda passes it under
+    torch.no_grad only."""
+    inputs = make_inputs(
+        B=2, T=2 * CHUNK_SIZE + 3, H=2, G=2, K=8, V=4, dtype=torch.float32,
+        with_initial_state=with_initial_state, requires_grad=True,
+    )
+    op = torch.ops.kda_op.chunk_kda_fwd.default
+    plain = {n: (x.detach() if x is not None else None) for n, x in inputs.items()}
+    kwargs = dict(keep_chunk_states=False)
+    utils = tuple(u for u in OPCHECK_UTILS if u != "test_autograd_registration")  # no grad: no autograd here
+    torch.library.opcheck(op, _fwd_args(plain), kwargs, test_utils=utils)
+    o, ht, cs, _ = op(*_fwd_args(plain), **kwargs)
+    o_full, ht_full, cs_full, _ = op(*_fwd_args(plain))
+    assert cs.shape == (0,) and cs_full.shape == (2, 4, 4, 8, 4)
+    assert torch.equal(o, o_full) and torch.equal(ht, ht_full)
+    with pytest.raises(ValueError, match="keep_chunk_states"):
+        op(*_fwd_args(inputs), **kwargs)
+    with torch.no_grad():  # nothing records a backward
+        assert op(*_fwd_args(inputs), **kwargs)[2].shape == (0,)
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    keep = []
+    schema = op._schema
+    at = [a.name for a in schema.arguments].index("keep_chunk_states")
+
+    class Recording(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is op:  # trailing arguments at their defaults are not passed
+                keep.append(args[at] if len(args) > at else (kwargs or {}).get("keep_chunk_states", True))
+            return func(*args, **(kwargs or {}))
+
+    call = dict(initial_state=inputs["initial_state"], output_final_state=True)
+    qkvgb = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+    with Recording():
+        with torch.no_grad():
+            o_no_grad, ht_no_grad = chunk_kda(*qkvgb, **call)
+        o_grad, ht_grad = chunk_kda(*qkvgb, **call)
+    assert keep == [False, True]
+    assert torch.equal(o_no_grad, o_grad) and torch.equal(ht_no_grad, ht_grad)
+
+
+@pytest.mark.parametrize("with_initial_state", [True, False])
 @pytest.mark.parametrize("with_dht", [True, False])
 def test_opcheck_backward(with_initial_state, with_dht):
     inputs = make_inputs(

@@ -581,6 +581,102 @@ def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, 
         _check_o_and_grads(results[1][0], results[1][4:], (q, k, v, g, beta), h0, do, dht, cu)
 
 
+@pytest.mark.parametrize("packed,with_h0,keep", [
+    (False, True, True),  # the loop from the first chunk; U' kept
+    (False, False, False),  # the first chunk out of the loop (no S0)
+    (True, False, True),  # packed, compact chunk states, U' kept; the state pool's prefill
+])
+def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packed, with_h0, keep, monkeypatch):
+    """settings.FUSED_OUTPUT: the forward scan that writes the output itself
+    (state_output_fwd.py) gives bitwise the output, final states, chunk states and kept
+    intermediates of the scan followed by the output kernel (on equal V blocks: the dots'
+    tiles), on bf16 inputs; the output kernel does not run then. Packed sequences (an
+    empty and a one-chunk one among them) also through the state pool's prefill (a
+    negative slot: zeros out, its slot untouched; the pool [.., V, K]). Below
+    FUSED_OUTPUT_MIN_BV, and on fp32 inputs, the scan and the output kernel run as before."""
+    from kda_op.triton_kernels import fwd, settings
+
+    monkeypatch.setattr(settings, "BV_SCAN", 32)  # the scan's V block = the output's
+    monkeypatch.setattr(settings, "BV_OUTPUT", 32)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+    launches = []
+    for name in ("kda_state_output_fwd_kernel", "kda_output_fwd_kernel", "kda_state_fwd_kernel"):
+        _on_launch(monkeypatch, fwd, name, lambda kw, name=name: launches.append(name))
+    fused_launch, unfused_launches = ["kda_state_output_fwd_kernel"], ["kda_state_fwd_kernel", "kda_output_fwd_kernel"]
+    if packed:
+        cu, (q, k, v, g, beta), _, _ = _packed_problem([20, 130, 0, 64, 65, 1], 91, False, 0.3)
+        h0 = None
+        cu_d = cu.to(DEVICE)
+    else:
+        x = _inputs(2, 3 * CHUNK_SIZE - 20, 1, 2, 48, 40, with_h0, seed=93)
+        q, k, v, g, beta = (x[n].cpu() for n in ("q", "k", "v", "g", "beta"))
+        h0 = x["initial_state"].cpu() if with_h0 else None
+        cu = cu_d = None
+    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
+    args = [t.to(DEVICE) for t in (q, k, v, g, beta)] + [None, None if h0 is None else h0.to(DEVICE)]
+    results = []
+    for fused in (0, 1):
+        monkeypatch.setattr(settings, "FUSED_OUTPUT", fused)
+        launches.clear()
+        results.append(kda_fwd_triton(*args, keep, cu_seqlens=cu_d))
+        assert launches == (fused_launch if fused else unfused_launches), launches
+    for name, unfused, scan_output in zip(("o", "final state", "chunk states", "kept"), *results):
+        assert torch.equal(_bytes(unfused), _bytes(scan_output)), name
+    # keep_chunk_states=False (a forward without grad): the same o and final states, no
+    # chunk states, stored nowhere (fused) or in a buffer of the call's own
+    for fused in (0, 1):
+        monkeypatch.setattr(settings, "FUSED_OUTPUT", fused)
+        launches.clear()
+        o, ht, cs, _ = kda_fwd_triton(*args, False, cu_seqlens=cu_d, keep_chunk_states=False)
+        assert launches == (fused_launch if fused else unfused_launches), launches
+        assert cs.shape == (0,) and torch.equal(o, results[0][0]) and torch.equal(ht, results[0][1])
+    # against the fp32 reference on the same bf16 inputs: W, Kr, Qg, A_qk, U' and o are
+    # rounded to bf16 (2^-9 relative each), the scan's dots take bf16 operands
+    want = _reference_o(*(t.float() for t in (q, k, v, g, beta)), h0, cu)
+    assert (results[1][0].cpu().float() - want).norm() <= 1e-2 * want.norm()
+    if packed:  # the pool's prefill: neither chunk states nor U'
+        from kda_op.triton_kernels import kda_chunk_pool_triton
+
+        gen = torch.Generator().manual_seed(94)
+        pool = torch.randn(8, 2, 16, 32, generator=gen).to(DEVICE)  # [slots, HV, V, K]: state_v_first
+        slots = torch.tensor([5, -1, 0, 7, 2, 3], device=DEVICE)
+        pools, outs = [], []
+        for fused in (0, 1):
+            monkeypatch.setattr(settings, "FUSED_OUTPUT", fused)
+            launches.clear()
+            pools.append(pool.clone())
+            outs.append(kda_chunk_pool_triton(*args[:6], pools[-1], slots, True, cu_seqlens=cu_d))
+            assert launches == (fused_launch if fused else unfused_launches), launches
+        assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
+        assert torch.equal(pools[1][1], pool[1]) and not torch.equal(pools[1][5], pool[5])
+        assert outs[1][:, 20:150].abs().max() == 0 and outs[1][:, :20].abs().max() > 0
+    # below the V-block floor, and on fp32 inputs (fp32 operands): the scan, then the output kernel
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 64)
+    launches.clear()
+    kda_fwd_triton(*args, keep, cu_seqlens=cu_d)
+    assert launches == unfused_launches, launches
+    if not packed and with_h0:
+        monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+        launches.clear()
+        kda_fwd_triton(*(t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in args), keep)
+        assert launches == unfused_launches, launches
+        # short sequences through the recurrent kernel: no chunk states either
+        short = [t[:, :7] for t in args[:5]] + args[5:]
+        o, ht, cs, _ = kda_fwd_triton(*short, False, keep_chunk_states=False)
+        o_full, ht_full, cs_full, _ = kda_fwd_triton(*short, False)
+        assert cs.shape == (0,) and cs_full.shape[1] == 2 and torch.equal(o, o_full) and torch.equal(ht, ht_full)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT", 2)
+    with pytest.raises(ValueError, match="FUSED_OUTPUT"):
+        kda_fwd_triton(*args, keep, cu_seqlens=cu_d)
+
+
+def _reference_o(q, k, v, g, beta, h0, cu):
+    """The fp32 reference's output for CPU inputs, packed where ``cu`` is given."""
+    from kda_op.ops import _reference_fwd
+
+    return _reference_fwd(q, k, v, g, beta, None, h0, None, cu)[0]
+
+
 @pytest.mark.parametrize("gated,packed,dtype", [
     (False, False, torch.bfloat16),  # split and steep chunks: the per-chunk backward's two launches
     (True, True, torch.float32),  # fla's bounded gate: the row-block kernel (INTRA_BWD_A_ROW_PROGRAMS)

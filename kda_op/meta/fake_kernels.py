@@ -47,6 +47,7 @@ def chunk_kda_fwd_fake(
     lower_bound: Optional[float] = None,
     cu_seqlens: Optional[Tensor] = None,
     output_final_state: bool = True,
+    keep_chunk_states: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     o, final_state = _output_and_final_state(q, v, cu_seqlens)
     if not output_final_state:
@@ -58,7 +59,8 @@ def chunk_kda_fwd_fake(
     else:
         num_seqs = cu_seqlens.shape[0] - 1
         slots = varlen_state_slots(T, num_seqs, initial_state is not None)
-    chunk_states = q.new_empty((B, slots, HV, K, V), dtype=chunk_states_dtype(q.dtype, q.device.type))
+    chunk_states = q.new_empty((B, slots, HV, K, V) if keep_chunk_states else (0,),
+                               dtype=chunk_states_dtype(q.dtype, q.device.type))
     # The kept intermediates exist only where the chunked CUDA kernels serve.
     nbytes = (intermediates_layout(B, T, HV, K, V, q.dtype, q.device.type, num_seqs)[1]
               if keep_intermediates else 0)

@@ -30,6 +30,7 @@ from .output_fwd import kda_output_fwd_kernel
 from .prep import kda_prep_fwd_kernel
 from .settings import BC, BT, MAX_SPLIT
 from .state_fwd import kda_state_fwd_kernel
+from .state_output_fwd import kda_state_output_fwd_kernel
 from .zero_slots import kda_zero_slots_kernel
 
 
@@ -182,7 +183,7 @@ def kda_fwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
     keep_intermediates: bool = False, gate: Optional[tuple] = None, cu_seqlens: Optional[Tensor] = None,
-    output_final_state: bool = True,
+    output_final_state: bool = True, keep_chunk_states: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Chunked forward: ``(o, final_state, chunk_states, intermediates)`` as
     ``chunk_kda_fwd``. ``intermediates`` is the flat uint8 buffer of
@@ -192,7 +193,9 @@ def kda_fwd_triton(
     with ``g`` the raw gate (``_host._gate_args``). ``cu_seqlens``: N sequences
     packed along T (B = 1; _indexing.py); states are then [N, HV, K, V] and the
     chunk states ``_contract.varlen_state_slots`` slots (fewer without an initial state). ``output_final_state=False``:
-    the final state is empty ([0]), never stored."""
+    the final state is empty ([0]), never stored. ``keep_chunk_states=False``: the
+    chunk states are empty ([0]); stored nowhere where the scan writes the output
+    (settings.FUSED_OUTPUT), else into a buffer of this call's own."""
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     s = _sizes(q, v, cu_seqlens=cu_seqlens, has_initial_state=initial_state is not None)
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
@@ -204,18 +207,20 @@ def kda_fwd_triton(
     intermediates = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
     if keep_intermediates:
         _zero_alignment_gaps(intermediates, layout, nbytes)
-    chunk_states = torch.empty(B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    chunk_states = torch.empty((B, s["NCS"], HV, K, V) if keep_chunk_states else (0,), device=q.device,
+                               dtype=chunk_states_dtype(q.dtype, _SERVES))
     # Short sequences: one token-by-token launch, unless the backward wants the
     # chunked intermediates (or the sequences are packed: their chunk states are
     # laid out per sequence).
     if 0 < T <= S.RECURRENT_MAX_T and not keep_intermediates and cu_seqlens is None:
         with _range("kda_op::fwd::recurrent"):
             o, ht = kda_recurrent_fwd_triton(q, k, v, g, beta, scale, h0, gate=gate)
-        if h0 is None:
-            chunk_states[:, 0].zero_()
-        else:
-            chunk_states[:, 0].copy_(h0)
-        chunk_states[:, 1].copy_(ht)
+        if keep_chunk_states:
+            if h0 is None:
+                chunk_states[:, 0].zero_()
+            else:
+                chunk_states[:, 0].copy_(h0)
+            chunk_states[:, 1].copy_(ht)
         return o, (ht if output_final_state else ht.new_empty(0)), chunk_states, intermediates
     ht = torch.empty(s["NSEQ"], HV, K, V, **f32) if output_final_state else torch.empty(0, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
@@ -237,16 +242,65 @@ def kda_fwd_triton(
                            kr_last=not unread_skips or not s["COMPACT_STATES"] or output_final_state)
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
-    up = kept["up"] if keep_intermediates and NC > 0 and T > 0 else torch.empty(B, T, HV, V, device=q.device,
-                                                                                  dtype=residual_dtype(q.dtype))
+    kept_up = keep_intermediates and NC > 0 and T > 0
+    if NC > 0 and T > 0 and _fuses_output(s, x):
+        # the scan writes the output (settings.FUSED_OUTPUT): U' and the chunk states only where kept
+        with _range("kda_op::fwd::state_scan_output"):
+            _state_output_fwd(x, h0, kept["up"] if kept_up else None, chunk_states if keep_chunk_states else None,
+                              ht if output_final_state else None, o, s, prec, traced=False)
+        return o, ht, chunk_states, intermediates
+    # the scan and the output kernel pass the chunk states through memory: a buffer of
+    # this call's own where the caller keeps none
+    states = chunk_states if keep_chunk_states else torch.empty(
+        B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    up = kept["up"] if kept_up else torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     with _range("kda_op::fwd::state_scan"):
-        _state_scan_fwd(x, h0, up, chunk_states, ht if output_final_state else None, s, prec, traced=False,
+        _state_scan_fwd(x, h0, up, states, ht if output_final_state else None, s, prec, traced=False,
                         first_up=not first_from_u, skip_unkept_state=bool(S.SKIP_UNREAD))
     if NC > 0 and T > 0:
         with _range("kda_op::fwd::output"):
-            _output_fwd(x, up, chunk_states, o, s, prec, traced=False, has_h0=h0 is not None,
+            _output_fwd(x, up, states, o, s, prec, traced=False, has_h0=h0 is not None,
                         first_from_u=first_from_u)
     return o, ht, chunk_states, intermediates
+
+
+def _fuses_output(s: dict, x: dict) -> bool:
+    """Whether the forward scan writes the output itself (settings.FUSED_OUTPUT,
+    state_output_fwd.py): where its V block is at least FUSED_OUTPUT_MIN_BV, i.e. where
+    its programs fill the device (where they are few, the output's dots would lengthen
+    each chunk's step of a latency-bound scan), and on bf16 operands (bf16 inputs) with
+    K <= 128, what it was built for: on fp32 operands it spills 0.6-7 KB (sm_90a, TF32
+    dots), and at K = 256 with fp16 inputs it needs more shared memory than the H200 has."""
+    if S.FUSED_OUTPUT not in (0, 1):
+        raise ValueError(f"settings.FUSED_OUTPUT: expected 0 or 1, got {S.FUSED_OUTPUT!r}")
+    return (bool(S.FUSED_OUTPUT) and s["BV_SCAN_FWD"] >= S.FUSED_OUTPUT_MIN_BV
+            and x["w"].dtype == torch.bfloat16 and s["BK"] <= 128)
+
+
+def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk_states: Optional[Tensor],
+                      ht: Optional[Tensor], o: Tensor, s: dict, prec: str, traced: bool,
+                      slots: Optional[Tensor] = None, v_first: bool = False) -> None:
+    """Stages 2 and 3 in one launch (state_output_fwd.py): the scan over chunks
+    writing ``o``, and where given (not None) U' into ``up``, the chunk states into
+    ``chunk_states`` (for packed sequences with zeros in the slots past the last
+    one's, as _state_scan_fwd) and the final states into ``ht``. ``slots``: h0 and ht
+    are one state pool, read and written at those slots; a negative slot outputs
+    zeros."""
+    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    store_states = chunk_states is not None
+    _kernel(kda_state_output_fwd_kernel, traced)[(_cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
+        x["kr"], x["w"], x["u"], x["gam"], x["qg"], x["aqk"], o if h0 is None else h0, o if up is None else up,
+        o if chunk_states is None else chunk_states, o if ht is None else ht, o, *s["VL_SEQ"], T, NC, s["H"], HV,
+        o if slots is None else slots,
+        K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
+        HAS_H0=h0 is not None, DOT_PREC=prec, STORE_HT=ht is not None, STORE_STATES=store_states,
+        STORE_UP=up is not None, BF16_DOTS=s["SCAN_BF16_DOTS"], OUTPUT_BF16_DOTS=s["OUTPUT_BF16_DOTS"],
+        INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first,
+        COMPACT_STATES=store_states and s["COMPACT_STATES"],
+        num_warps=S.FUSED_OUTPUT_WARPS or s["SCAN_FWD_WARPS"], num_stages=S.FUSED_OUTPUT_STAGES,
+    )
+    if s["IS_VARLEN"] and store_states:
+        _zero_unused_state_slots(chunk_states, s, traced)
 
 
 def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Tensor, ht: Optional[Tensor],
@@ -270,11 +324,16 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
         num_warps=s["SCAN_FWD_WARPS"], num_stages=s["SCAN_FWD_STAGES"],
     )
     if s["IS_VARLEN"]:
-        row = HV * K * V
-        blocks = min(16, _cdiv(row, 1024))
-        _kernel(kda_zero_slots_kernel, traced)[(s["NCS"], _cdiv(row, 1024 * blocks))](
-            chunk_states, s["FIRST_UNUSED_STATE"], row, BLOCK=1024, BLOCKS=blocks, num_warps=4,
-        )
+        _zero_unused_state_slots(chunk_states, s, traced)
+
+
+def _zero_unused_state_slots(chunk_states: Tensor, s: dict, traced: bool) -> None:
+    """Packed sequences: zeros into the chunk-state slots past the last sequence's."""
+    row = s["HV"] * s["K"] * s["V"]
+    blocks = min(16, _cdiv(row, 1024))
+    _kernel(kda_zero_slots_kernel, traced)[(s["NCS"], _cdiv(row, 1024 * blocks))](
+        chunk_states, s["FIRST_UNUSED_STATE"], row, BLOCK=1024, BLOCKS=blocks, num_warps=4,
+    )
 
 
 def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, prec: str, traced: bool,
@@ -311,15 +370,18 @@ def kda_chunk_pool_triton(
     scale = K**-0.5 if scale is None else float(scale)
     f32 = dict(device=q.device, dtype=torch.float32)
     slots = ssm_state_indices.contiguous()
-    chunk_states = torch.empty(B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     if s["NSEQ"] * HV == 0:
         return o
     prec = _dot_precision(q.dtype)
     if NC > 0 and T > 0:
         x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, gate=gate)
+        if _fuses_output(s, x):  # neither chunk states nor U' (settings.FUSED_OUTPUT)
+            _state_output_fwd(x, pool, None, None, pool, o, s, prec, traced=False, slots=slots, v_first=state_v_first)
+            return o
     else:  # T == 0: the scan only passes the initial states through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
+    chunk_states = torch.empty(B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
     up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     _state_scan_fwd(x, pool, up, chunk_states, pool, s, prec, traced=False, slots=slots, v_first=state_v_first)
     if NC > 0 and T > 0:
@@ -352,6 +414,9 @@ def kda_fwd_triton_export(
     ht = torch.empty(s["NSEQ"], HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True, gate=gate)
+    if _fuses_output(s, x):  # the scan writes the output (settings.FUSED_OUTPUT)
+        _state_output_fwd(x, h0, None, chunk_states, ht, o, s, prec, traced=True)
+        return o, ht, chunk_states
     up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=True)
     _output_fwd(x, up, chunk_states, o, s, prec, traced=True, has_h0=h0 is not None)

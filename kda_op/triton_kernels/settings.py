@@ -504,6 +504,24 @@ WU_BF16_DOTS = 0
 # 128 (one program per chunk) was slower: 0.206.
 BV_OUTPUT = None
 OUTPUT_WARPS = 4
+# The forward scan writes the output itself (state_output_fwd.py; 1) where its V block is at
+# least FUSED_OUTPUT_MIN_BV, i.e. where its programs fill the device (B8-T8192-H16 and
+# B2-T8192-H8-HV32: V block 64); 0: the scan then the output kernel. It saves the output
+# kernel (0.350 ms of B8-T8192-H16's 2.889 ms forward on the H200, 2026-12-05), U' and the
+# chunk states' reads, and, in a forward that keeps nothing (no grad; the pool's prefill),
+# their writes too: 1.5 KB a token and head at K = V = 128. The third session's output inside
+# the scan at B1-T8192-H16 (V block 16, the scan latency bound) took the scan 0.35 -> 0.67 ms
+# for the output's 0.07: hence the V-block floor. Built 2026-12-05 without a device
+# (interpreter tests; compiled for sm_90a): 0 until timed.
+FUSED_OUTPUT = 0
+FUSED_OUTPUT_MIN_BV = 64
+# On bf16 operands with K <= 128 only (fwd._fuses_output). Its warps (None: the forward
+# scan's) and pipeline stages. Compiled for sm_90a (Triton 3.6, bf16, K = V = 128, V block
+# 64): four warps at one stage take 255 registers and 72 KB of shared memory, so two CTAs an
+# SM (B8-T8192-H16's 256 programs in one wave); eight warps 251 registers (one CTA), two
+# stages 144 KB (one CTA).
+FUSED_OUTPUT_WARPS = 4
+FUSED_OUTPUT_STAGES = 1
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
 GVA_ROWS = 32
 # Where each key head has one value head (G = 1: nothing to sum), the backward through the
