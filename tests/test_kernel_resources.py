@@ -43,7 +43,10 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
     # the steep launches as full grids, dq and dk through gva_reduce at G = 1, no register cap
     # (the defaults before 2026-12-05)
     ("--set", "STEEP_WORK_LIST=0", "DIRECT_DQ_DK=0", "INTRA_BWD_A_MAXNREG=None"),
-
+    # the forward scan that writes the output (off by default), as fixed-length and packed
+    # sequences launch it
+    ("--set", "FUSED_OUTPUT=1"),
+    ("--varlen", "--set", "FUSED_OUTPUT=1"),
 ])
 def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
     """bf16 inputs under the options that are not the defaults."""

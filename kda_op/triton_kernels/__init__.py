@@ -7,6 +7,8 @@ forward   gam_fwd.py     gam = cumsum(g) per chunk (settings.INTRA_GAM_KERNEL)
           intra_wu_fwd.py Tm = (I + diag(beta) A_kk)^-1, W, U
           state_fwd.py   the scan over chunks: chunk states, residuals U' = U - W S0
           output_fwd.py  O = (Q exp(gam)) S0 + A_qk U'
+          state_output_fwd.py  the two above in one pass (settings.FUSED_OUTPUT): the scan
+                         writes O, and the chunk states and U' only where they are kept
 backward  intra_a_fwd.py, intra_wu_fwd.py  recomputed, keeping Tm, unless the
                          forward kept them all (keep_intermediates)
           state_bwd.py   the reverse scan: dU', the grads of the chunk states, dh0

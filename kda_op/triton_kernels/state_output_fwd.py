@@ -116,7 +116,7 @@ def kda_state_output_fwd_kernel(
             b_u = tl.load(u + row_v, mask=m_tv, other=0.0).to(tl.float32)
             if STORE_UP:
                 tl.store(up + row_v, as_stored(b_u, up, INTERPRET), mask=m_tv)
-            b_a = tl.load(aqk + row_a, mask=m_t[:, None] & causal, other=0.0)
+            b_a = tl.where(causal, tl.load(aqk + row_a, mask=m_t[:, None], other=0.0), 0.0)
             b_o = dot(b_a, b_u, OUTPUT_BF16_DOTS, DOT_PREC, INTERPRET)
             tl.store(o + row_v, as_stored(b_o, o, INTERPRET).to(o.dtype.element_ty), mask=m_tv)
             if KEEPS_LAST:
@@ -138,7 +138,9 @@ def kda_state_output_fwd_kernel(
         b_qg = tl.load(qg + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
         b_u = tl.load(u + r0 * (HV * V) + row_v, mask=m_tv, other=0.0).to(tl.float32)
         b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
-        b_a = tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None] & causal, other=0.0)
+        # A_qk under its row mask, its upper triangle zeroed after the load (as state_bwd.py's
+        # AQK_ROW_MASK): under the causal mask the load goes element by element on sm_90a
+        b_a = tl.where(causal, tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None], other=0.0), 0.0)
         b_up = b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
         if STORE_UP:
             tl.store(up + r0 * (HV * V) + row_v, as_stored(b_up, up, INTERPRET), mask=m_tv)
