@@ -396,8 +396,9 @@ def _on_pool(fn, q, k, v, g, beta, A_log, dt_bias, scale, pool, output_final_sta
     live = (slots >= 0).to(pool.dtype).view(-1, 1, 1, 1)
     h0 = _state_in(pool.index_select(0, slots.clamp_min(0)) * live, state_v_first)
     if chunked:
+        # inference only (check_pool_inputs): no chunk states kept
         o, final_state, _, _ = torch.ops.kda_op.chunk_kda_fwd(q, k, v, g, beta, scale, h0, False, A_log, dt_bias,
-                                                              use_gate_in_kernel, lb, cu_seqlens)
+                                                              use_gate_in_kernel, lb, cu_seqlens, True, False)
     else:
         o, final_state = torch.ops.kda_op.fused_recurrent_kda_fwd(q, k, v, g, beta, scale, h0, A_log, dt_bias,
                                                                   use_gate_in_kernel, lb, cu_seqlens)

@@ -172,3 +172,49 @@ def work_list_item(item, NC, HV, SUB: tl.constexpr):
     flat = item // SUB
     g_c = flat // HV
     return (g_c % NC).to(tl.int32), (g_c // NC) * HV + flat % HV, (item % SUB).to(tl.int32)
+
+
+# The scans (state_fwd.py, state_output_fwd.py, state_bwd.py): each program holds the
+# [BK, BV] tile of a [K, V] state that its V block covers.
+
+
+@triton.jit
+def state_tile(i_v, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """V block ``i_v``'s tile of a [K, V] state: ``(o_k, m_k, o_v, m_v, m_kv, state_off)``,
+    the rows and columns with their masks, the tile's mask and its offsets in the state."""
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    return o_k, m_k, o_v, m_v, m_k[:, None] & m_v[None, :], o_k[:, None] * V + o_v[None, :]
+
+
+@triton.jit
+def scan_ends(h0, ht, slots, i_b, i_hv, HV, o_k, o_v, m_kv, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+              BV: tl.constexpr, HAS_H0: tl.constexpr, POOL: tl.constexpr, V_FIRST: tl.constexpr):
+    """Where a forward scan starts and what it leaves: ``(b_s, ht, ends_off, m_ends, live)``,
+    the fp32 tile of the initial state (h0's, or zeros without HAS_H0), ht moved to
+    sequence ``i_b``'s final state (64-bit), or with POOL both at its slot ``slots[i_b]``
+    in the pool that h0 and ht both are; the tile's offsets there ([.., V, K] with
+    V_FIRST: the pool's layout) and their mask, and whether the slot is live (a negative
+    slot: zeros read, nothing written; POOL only)."""
+    if POOL:
+        slot = tl.load(slots + i_b).to(tl.int64)
+        h0 += (tl.maximum(slot, 0) * HV + i_hv) * K * V
+        ht += (tl.maximum(slot, 0) * HV + i_hv) * K * V
+        live = slot >= 0
+        m_ends = m_kv & ((slot + 0 * o_k) >= 0)[:, None]  # a block mask: Triton >= 3.7's interpreter
+    else:
+        h0 += (i_b * HV + i_hv) * K * V
+        ht += (i_b * HV + i_hv) * K * V
+        live = True
+        m_ends = m_kv
+    if V_FIRST:
+        ends_off = o_v[None, :] * K + o_k[:, None]
+    else:
+        ends_off = o_k[:, None] * V + o_v[None, :]
+    if HAS_H0:
+        b_s = tl.load(h0 + ends_off, mask=m_ends, other=0.0).to(tl.float32)
+    else:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    return b_s, ht, ends_off, m_ends, live

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
-from ._indexing import chunk_coords, chunk_in_sequence, sequence_coords
+from ._indexing import chunk_coords, chunk_in_sequence, sequence_coords, state_tile
 
 
 @triton.jit
@@ -149,12 +149,7 @@ def kda_state_bwd_kernel(
     # where chunk c's Qg^T dO sits: its own slot, or (COMPACT) chunk c - 1's
     QDO_SHIFT: tl.constexpr = 1 if COMPACT else 0
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_off = o_k[:, None] * V + o_v[None, :]
+    o_k, m_k, o_v, m_v, m_kv, state_off = state_tile(i_v, K, V, BK, BV)
     o_r = tl.arange(0, BT)
 
     if HAS_DHT:
@@ -263,12 +258,7 @@ def kda_state_bwd_fused_kernel(
         dchunk_states += (g_0 * HV + i_hv) * K * V
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk to the next
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_off = o_k[:, None] * V + o_v[None, :]
+    o_k, m_k, o_v, m_v, m_kv, state_off = state_tile(i_v, K, V, BK, BV)
     o_r = tl.arange(0, BT)
     row_k = (o_r[:, None]) * (HV * K) + o_k[None, :]
     row_v = (o_r[:, None]) * (HV * V) + o_v[None, :]

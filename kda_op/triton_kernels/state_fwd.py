@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
-from ._indexing import sequence_coords
+from ._indexing import scan_ends, sequence_coords, state_tile
 
 
 @triton.jit
@@ -55,35 +55,14 @@ def kda_state_fwd_kernel(
     u += (bos * HV + i_hv) * V
     up += (bos * HV + i_hv) * V
     gam += (bos * HV + i_hv) * K
-    if POOL:
-        slot = tl.load(slots + i_b).to(tl.int64)
-        h0 += (tl.maximum(slot, 0) * HV + i_hv) * K * V
-        ht += (tl.maximum(slot, 0) * HV + i_hv) * K * V
-    else:
-        h0 += (i_b * HV + i_hv) * K * V
-        ht += (i_b * HV + i_hv) * K * V
     chunk_states += (s_0 * HV + i_hv) * K * V
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk boundary to the next
 
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_off = o_k[:, None] * V + o_v[None, :]
-    if V_FIRST:  # the pool's layout (the chunk states stay K-first)
-        ends_off = o_v[None, :] * K + o_k[:, None]
-    else:
-        ends_off = state_off
-    if POOL:  # a negative slot: read zeros, write nothing (a block mask: Triton >= 3.7's interpreter)
-        m_ends = m_kv & ((slot + 0 * o_k) >= 0)[:, None]
-    else:
-        m_ends = m_kv
-
-    if HAS_H0:
-        b_s = tl.load(h0 + ends_off, mask=m_ends, other=0.0).to(tl.float32)
-    else:
-        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    o_k, m_k, o_v, m_v, m_kv, state_off = state_tile(i_v, K, V, BK, BV)
+    # S from h0's tile (or zeros) and ht at this sequence's final state (POOL: both at its
+    # slot; a negative slot reads zeros and writes nothing); the chunk states stay K-first
+    b_s, ht, ends_off, m_ends, _ = scan_ends(h0, ht, slots, i_b, i_hv, HV, o_k, o_v, m_kv, K, V, BK, BV,
+                                             HAS_H0, POOL, V_FIRST)
 
     o_r = tl.arange(0, BT)
     row_k = (o_r[:, None]) * (HV * K) + o_k[None, :]
