@@ -82,3 +82,40 @@ def test_triton_backward_holds_one_stage_at_a_time(capsys):
     assert "dakk =" in out, out  # the peak is the intra-chunk backward's
     for gone_or_late in ("dchunk_states =", "dg =", "dq =", "dk ="):
         assert gone_or_late not in out, (gone_or_late, out)
+
+
+def test_triton_forward_without_grad_keeps_no_chunk_states(monkeypatch):
+    """A forward without grad (keep_chunk_states=False) whose scan writes the output
+    (settings.FUSED_OUTPUT) allocates neither the chunk states nor U': its peak is below
+    the scan-then-output forward's by both (which that forward holds at once, whether
+    or not it returns the chunk states); with the chunk states kept, by U' alone."""
+    import os
+
+    import pytest
+
+    pytest.importorskip("triton")
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("no GPU and TRITON_INTERPRET is not set")
+    from kda_op.triton_kernels import kda_fwd_triton, settings
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 16)  # the fused scan at these tiny shapes
+    B, T, HV, K, V = 2, 3 * 64 - 20, 2, 32, 32
+    inputs = make_inputs(B=B, T=T, H=1, G=HV, K=K, V=V, dtype=torch.float32, seed=11)
+    args = [inputs[n].to(device=device, dtype=torch.float32 if n == "g" else torch.bfloat16)
+            for n in ("q", "k", "v", "g", "beta")] + [None, None]
+    peaks = {}
+    for fused in (0, 1):
+        monkeypatch.setattr(settings, "FUSED_OUTPUT", fused)
+        for keep in (True, False):
+            with PeakLiveBytes() as mode:
+                o, _, cs, _ = kda_fwd_triton(*args, False, keep_chunk_states=keep)
+            assert cs.numel() == (B * 4 * HV * K * V if keep else 0)
+            peaks[fused, keep] = mode.peak
+    chunk_states_bytes = B * 4 * HV * K * V * 2  # bf16, NC + 1 = 4 boundaries
+    up_bytes = B * T * HV * V * 2  # bf16
+    # a few hundred bytes of small buffers (steep flags, spreads) are live at one peak
+    # and not at the other: the comparisons allow 1 KiB
+    assert peaks[0, True] - peaks[0, False] < 1024  # unfused: the same buffer, the caller's or its own
+    assert peaks[0, False] - peaks[1, False] > chunk_states_bytes + up_bytes - 1024, peaks
+    assert peaks[0, True] - peaks[1, True] > up_bytes - 1024, peaks
