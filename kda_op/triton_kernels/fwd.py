@@ -207,8 +207,7 @@ def kda_fwd_triton(
     intermediates = torch.empty(nbytes, device=q.device, dtype=torch.uint8)
     if keep_intermediates:
         _zero_alignment_gaps(intermediates, layout, nbytes)
-    chunk_states = torch.empty((B, s["NCS"], HV, K, V) if keep_chunk_states else (0,), device=q.device,
-                               dtype=chunk_states_dtype(q.dtype, _SERVES))
+    chunk_states = _new_chunk_states(q, s, empty=not keep_chunk_states)
     # Short sequences: one token-by-token launch, unless the backward wants the
     # chunked intermediates (or the sequences are packed: their chunk states are
     # laid out per sequence).
@@ -251,8 +250,7 @@ def kda_fwd_triton(
         return o, ht, chunk_states, intermediates
     # the scan and the output kernel pass the chunk states through memory: a buffer of
     # this call's own where the caller keeps none
-    states = chunk_states if keep_chunk_states else torch.empty(
-        B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    states = chunk_states if keep_chunk_states else _new_chunk_states(q, s)
     up = kept["up"] if kept_up else torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     with _range("kda_op::fwd::state_scan"):
         _state_scan_fwd(x, h0, up, states, ht if output_final_state else None, s, prec, traced=False,
@@ -262,6 +260,13 @@ def kda_fwd_triton(
             _output_fwd(x, up, states, o, s, prec, traced=False, has_h0=h0 is not None,
                         first_from_u=first_from_u)
     return o, ht, chunk_states, intermediates
+
+
+def _new_chunk_states(q: Tensor, s: dict, empty: bool = False) -> Tensor:
+    """An uninitialised chunk-state buffer [B, NCS, HV, K, V] in the dtype the kernels keep
+    them in (``empty``: [0], for a caller that keeps none)."""
+    shape = (0,) if empty else (s["B"], s["NCS"], s["HV"], s["K"], s["V"])
+    return torch.empty(shape, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
 
 
 def _fuses_output(s: dict, x: dict) -> bool:
@@ -286,7 +291,7 @@ def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk
     one's, as _state_scan_fwd) and the final states into ``ht``. ``slots``: h0 and ht
     are one state pool, read and written at those slots; a negative slot outputs
     zeros."""
-    B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
+    T, HV, K, V, NC = s["T"], s["HV"], s["K"], s["V"], s["NC"]
     store_states = chunk_states is not None
     _kernel(kda_state_output_fwd_kernel, traced)[(_cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
         x["kr"], x["w"], x["u"], x["gam"], x["qg"], x["aqk"], o if h0 is None else h0, o if up is None else up,
@@ -381,7 +386,7 @@ def kda_chunk_pool_triton(
             return o
     else:  # T == 0: the scan only passes the initial states through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
-    chunk_states = torch.empty(B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    chunk_states = _new_chunk_states(q, s)
     up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     _state_scan_fwd(x, pool, up, chunk_states, pool, s, prec, traced=False, slots=slots, v_first=state_v_first)
     if NC > 0 and T > 0:
@@ -410,7 +415,7 @@ def kda_fwd_triton_export(
     h0 = None if initial_state is None else initial_state.contiguous()
     prec = _dot_precision(q.dtype)
 
-    chunk_states = torch.empty(B, s["NCS"], HV, K, V, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+    chunk_states = _new_chunk_states(q, s)
     ht = torch.empty(s["NSEQ"], HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True, gate=gate)
