@@ -1,0 +1,353 @@
+"""A prototype forward in one launch (branch one-pass-fwd): every stage of the chunked
+form (DESIGN.md section 2) per chunk, on chip, walking the chunks of a sequence in order.
+
+One program per (V block, batch * value head). Per chunk it reads q, k, v, g and beta
+only, and writes o (and, where asked, the state entering the chunk); the state S
+[BK, BV] (fp32) stays in registers from chunk to chunk. Nothing else travels through
+global memory: gam, the A's, Tm, W, U, Qg and Kr of fwd.py's six launches are formed
+and used here. Each V block of a head forms the chunk's A's and Tm again (they do not
+depend on V): the price of needing no exchange between programs.
+
+Per chunk (rows i, j; gam = cumsum(g) inside the chunk, Gam its last valid row):
+  A_kk = (k_i . k_j exp(gam_i - gam_j))_{j<i},  A_qk = (q_i scale . k_j exp(...))_{j<=i}
+  Tm   = (I + diag(beta) A_kk)^-1
+  U'   = Tm (beta v - Kb S)           Kb = beta k exp(gam)   (= U - W S with W = Tm Kb)
+  O    = A_qk U' + Qg S               Qg = q scale exp(gam)
+  S   <- exp(Gam) S + Kr^T U'         Kr = k exp(Gam - gam)
+U' is formed as Tm (beta v - Kb S) rather than Tm (beta v) - (Tm Kb) S: the same sums
+in another order, one [BT, BT] x [BT, BV] dot instead of a [BT, BT] x [BT, BK] one
+(W) and no [BT, BK] W tile.
+
+The A's take one of three paths per chunk (a scalar branch on the chunk's gates):
+  0 split: every row of gam within MAX_SPLIT of the middle row m: A = (X exp(gam - gam_m))
+    (K exp(gam_m - gam))^T, two dots; entries above the diagonal may overflow and are
+    dropped with tl.where (never multiplied).
+  1 block references: gates <= 0 and every 16-row block's gam within MAX_SPLIT of the
+    block's middle row: that row is the reference of its block's rows, for the columns
+    up to the block's end (exp(gam_m - gam_j) <= 1 before the block for a decaying gate).
+  2 columns: exact, any gate: column j of both A's as sum_d X_id k_jd exp(gam_id - gam_jd)
+    with i < j masked to -inf before the exp. Slow (one column at a time): a fallback.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+from .._contract import chunk_states_dtype, scan_operand_dtype
+from ._dot import _round_to_bf16_as_fp32, as_stored, dot
+from ._host import _INTERPRET, _SERVES, _cdiv, _check_grid, _check_offsets, _dot_precision, _fast_exp, _pow2
+from ._math import exp
+from .settings import BC, BT, MAX_SPLIT
+
+
+@triton.jit
+def _operand(x, BF16: tl.constexpr, INTERPRET: tl.constexpr):
+    """``x`` as a dot operand kept live across the scan: bf16 where the dots take bf16
+    operands (half the registers; the dot rounds it so anyway), else unchanged. Under
+    the interpreter, whose bf16 dots and casts are not the GPU's (_dot.py), it stays
+    fp32 holding the rounded values."""
+    if BF16:
+        if INTERPRET:
+            return _round_to_bf16_as_fp32(x)
+        else:
+            return x.to(tl.bfloat16)
+    else:
+        return x
+
+
+@triton.jit
+def _row(x, o_r, r):
+    """Row ``r`` of the register tile ``x`` (rows ``o_r``), as a vector over its columns."""
+    return tl.sum(tl.where((o_r == r)[:, None], x, 0.0), 0)
+
+
+@triton.jit
+def _a_block_refs(b_q, b_k, b_gam, o_r, A_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                  BK: tl.constexpr, FAST_EXP: tl.constexpr):
+    """Path 1: both A's (unmasked) with each BC-row block's middle row as the reference
+    of its rows, for the columns up to the block's end (zero after it)."""
+    NB: tl.constexpr = BT // BC
+    o_c = tl.arange(0, BC)
+    # every row's block reference, [BT, BK]
+    b_mid = tl.sum(tl.where((o_c == BC // 2)[None, :, None], tl.reshape(b_gam, (NB, BC, BK)), 0.0), 1)
+    b_gref = tl.reshape(tl.broadcast_to(b_mid[:, None, :], (NB, BC, BK)), (BT, BK))
+    b_er = exp(b_gam - b_gref, FAST_EXP)
+    b_kl = b_k * b_er
+    b_ql = b_q * b_er
+    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_b in tl.static_range(NB):
+        b_gm = _row(b_gam, o_r, i_b * BC + BC // 2)
+        upto = (o_r < (i_b + 1) * BC)[:, None]
+        b_kc = tl.trans(b_k * exp(tl.where(upto, b_gm[None, :] - b_gam, float("-inf")), FAST_EXP))
+        rows = (o_r // BC == i_b)[:, None]
+        b_akk += tl.dot(tl.where(rows, b_kl, 0.0), b_kc, input_precision=A_PREC)
+        b_aqk += tl.dot(tl.where(rows, b_ql, 0.0), b_kc, input_precision=A_PREC)
+    return b_akk, b_aqk
+
+
+@triton.jit
+def _a_columns(b_q, b_k, b_gam, o_r, n_rows, BT: tl.constexpr, FAST_EXP: tl.constexpr):
+    """Path 2: both A's exactly, column by column (the chunk's ``n_rows`` valid ones):
+    A[i, j] = sum_d X_id k_jd exp(gam_id - gam_jd) for i >= j (else 0), no reference
+    row, so no factor leaves fp32 range unless the entry itself does."""
+    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for j in range(0, n_rows):
+        b_kj = _row(b_k, o_r, j)
+        b_gj = _row(b_gam, o_r, j)
+        b_kje = b_kj[None, :] * exp(tl.where((o_r >= j)[:, None], b_gam - b_gj[None, :], float("-inf")), FAST_EXP)
+        col = (o_r == j)[None, :]
+        b_akk = tl.where(col, tl.sum(b_k * b_kje, 1)[:, None], b_akk)
+        b_aqk = tl.where(col, tl.sum(b_q * b_kje, 1)[:, None], b_aqk)
+    return b_akk, b_aqk
+
+
+@triton.jit
+def _unit_lower_inverse(b_m, A_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """(I + M)^-1 for M [BT, BT] strictly lower triangular (BT = 4 BC).
+
+    With D the BC x BC diagonal blocks of M and N the rest, I + M = (I + D)(I + P),
+    P = (I + D)^-1 N strictly block lower, so P^4 = 0 and
+    (I + M)^-1 = (I - P)(I + P^2)(I + D)^-1. The four (I + D) blocks are inverted
+    together, row by row (BC - 1 steps on [4, BC, BC] tiles): row i of the inverse
+    X is e_i - sum_{j<i} D_ij X_j."""
+    NB: tl.constexpr = BT // BC
+    tl.static_assert(NB == 4, "(I + P)^-1 = (I - P)(I + P^2) takes four sub-blocks")
+    o_r = tl.arange(0, BT)
+    o_c = tl.arange(0, BC)
+    o_b = tl.arange(0, NB)
+    diag_block = o_b[:, None, None, None] == o_b[None, None, :, None]  # [NB, 1, NB, 1]
+    b_d = tl.sum(tl.where(diag_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
+    eye_c = (o_c[:, None] == o_c[None, :]).to(tl.float32)
+    b_x = tl.broadcast_to(eye_c[None, :, :], (NB, BC, BC))
+    for i in range(1, BC):
+        at_i = o_c == i
+        b_di = tl.sum(tl.where(at_i[None, :, None], b_d, 0.0), 1)  # row i of each block's D, [NB, BC]
+        b_xi = at_i.to(tl.float32)[None, :] - tl.sum(b_di[:, :, None] * b_x, 1)
+        b_x = tl.where(at_i[None, :, None], b_xi[:, None, :], b_x)
+    b_dinv = tl.reshape(tl.where(diag_block, b_x[:, :, None, :], 0.0), (BT, BT))
+    b_n = tl.where(o_r[:, None] // BC > o_r[None, :] // BC, b_m, 0.0)
+    b_eye = (o_r[:, None] == o_r[None, :]).to(tl.float32)
+    b_p = tl.dot(b_dinv, b_n, input_precision=A_PREC)
+    b_p2 = tl.dot(b_p, b_p, input_precision=A_PREC)
+    return tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=A_PREC), b_dinv, input_precision=A_PREC)
+
+
+@triton.jit
+def kda_one_pass_fwd_kernel(
+    q, k, v, g, beta, h0,
+    o, ht, chunk_states, paths,
+    scale, T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    MAX_SPLIT: tl.constexpr,
+    HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_STATES: tl.constexpr, STORE_PATHS: tl.constexpr,
+    DOT_PREC: tl.constexpr, BF16_DOTS: tl.constexpr = False,
+    INTERPRET: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
+):
+    # q, k [B, T, H, K]; v, o [B, T, HV, V]; g [B, T, HV, K] fp32; beta [B, T, HV];
+    # h0, ht [B, HV, K, V] fp32; chunk_states [B, NC + 1, HV, K, V] (STORE_STATES: the
+    # state entering each chunk, then the final one); paths [B, NC, HV] int32
+    # (STORE_PATHS, for tests: the path each chunk's A's took, see the module docstring).
+    # The A's and Tm: fp32 operands at DOT_PREC (they feed the inverse). The scan and
+    # output dots (Kb S, Tm R, A_qk U', Qg S, Kr^T U'): bf16 operands where BF16_DOTS.
+    scale = tl.cast(scale, tl.float32)
+    i_v = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_h = i_hv // (HV // H)
+    # Each pointer moves to this sequence and head once, in 64-bit, and to each chunk
+    # in 64-bit in the loop; offsets inside a chunk are 32-bit at any T.
+    bos = i_b * T
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    v += (bos * HV + i_hv) * V
+    o += (bos * HV + i_hv) * V
+    g += (bos * HV + i_hv) * K
+    beta += bos * HV + i_hv
+    h0 += (i_b * HV + i_hv) * K * V
+    ht += (i_b * HV + i_hv) * K * V
+    chunk_states += (i_b * (NC + 1) * HV + i_hv) * K * V
+    cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk boundary to the next
+    paths += i_b * NC * HV + i_hv
+
+    o_r = tl.arange(0, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    state_off = o_k[:, None] * V + o_v[None, :]
+    row_qk = o_r[:, None] * (H * K) + o_k[None, :]
+    row_g = o_r[:, None] * (HV * K) + o_k[None, :]
+    row_v = o_r[:, None] * (HV * V) + o_v[None, :]
+    lower = o_r[:, None] > o_r[None, :]
+    causal = o_r[:, None] >= o_r[None, :]
+
+    if HAS_H0:
+        b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
+    else:
+        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+
+    for i_c in range(0, NC):
+        if STORE_STATES:
+            tl.store(chunk_states + i_c * cs_stride + state_off,
+                     as_stored(b_s, chunk_states, INTERPRET).to(chunk_states.dtype.element_ty), mask=m_kv)
+        r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
+        n_rows = tl.minimum(T - i_c * BT, BT)  # its valid rows
+        m_t = o_r < n_rows
+        m_tk = m_t[:, None] & m_k[None, :]
+        # gam: rows past T load g = 0, so they repeat the last valid row; Gam (the last
+        # row) is then the last valid one's, and those rows stay inside the spreads
+        # of the valid rows (each equals a valid row).
+        b_gam = tl.cumsum(tl.load(g + r0 * (HV * K) + row_g, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+        b_glast = _row(b_gam, o_r, BT - 1)
+        b_gmid = _row(b_gam, o_r, BT // 2)
+        b_k = tl.load(k + r0 * (H * K) + row_qk, mask=m_tk, other=0.0).to(tl.float32)
+        b_q = tl.load(q + r0 * (H * K) + row_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+        b_beta = tl.load(beta + r0 * HV + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
+
+        # one reduction over the flattened tile (max is exact in any order)
+        spread = tl.max(tl.reshape(tl.abs(b_gam - b_gmid[None, :]), (BT * BK,)), 0)
+        path = tl.full([], 0, tl.int32)
+        if spread <= MAX_SPLIT:
+            b_dm = b_gam - b_gmid[None, :]
+            b_kn = tl.trans(b_k * exp(-b_dm, FAST_EXP))
+            b_ep = exp(b_dm, FAST_EXP)
+            b_akk = tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
+            b_aqk = tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
+        else:
+            NB: tl.constexpr = BT // BC
+            o_c = tl.arange(0, BC)
+            b_mid = tl.sum(tl.where((o_c == BC // 2)[None, :, None], tl.reshape(b_gam, (NB, BC, BK)), 0.0), 1)
+            block_spread = tl.max(tl.reshape(tl.abs(tl.reshape(b_gam, (NB, BC, BK)) - b_mid[:, None, :]),
+                                             (BT * BK,)), 0)
+            # a decaying gate (g <= 0 on the valid rows; rows past T load 0) keeps the
+            # factors before each block <= 1
+            g_max = tl.max(tl.reshape(tl.load(g + r0 * (HV * K) + row_g, mask=m_tk, other=0.0).to(tl.float32),
+                                      (BT * BK,)), 0)
+            if (block_spread <= MAX_SPLIT) & (g_max <= 0.0):
+                path = tl.full([], 1, tl.int32)
+                b_akk, b_aqk = _a_block_refs(b_q, b_k, b_gam, o_r, DOT_PREC, BT, BC, BK, FAST_EXP)
+            else:
+                path = tl.full([], 2, tl.int32)
+                b_akk, b_aqk = _a_columns(b_q, b_k, b_gam, o_r, n_rows, BT, FAST_EXP)
+        if STORE_PATHS:
+            tl.store(paths + i_c * HV, path)
+        # entries above the diagonal may be inf or NaN (path 0): selected away, never multiplied
+        b_aqk = _operand(tl.where(causal, b_aqk, 0.0), BF16_DOTS, INTERPRET)
+        b_tm = _unit_lower_inverse(b_beta[:, None] * tl.where(lower, b_akk, 0.0), DOT_PREC, BT, BC)
+
+        b_eg = exp(b_gam, FAST_EXP)
+        b_kb = _operand(b_beta[:, None] * b_k * b_eg, BF16_DOTS, INTERPRET)
+        b_qg = _operand(b_q * b_eg, BF16_DOTS, INTERPRET)
+        b_kr = _operand(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), BF16_DOTS, INTERPRET)
+
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_bv = b_beta[:, None] * tl.load(v + r0 * (HV * V) + row_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_up = dot(b_tm, b_bv - dot(b_kb, b_s, BF16_DOTS, DOT_PREC, INTERPRET), BF16_DOTS, DOT_PREC, INTERPRET)
+        b_o = dot(b_aqk, b_up, BF16_DOTS, DOT_PREC, INTERPRET) + dot(b_qg, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
+        tl.store(o + r0 * (HV * V) + row_v, as_stored(b_o, o, INTERPRET).to(o.dtype.element_ty), mask=m_tv)
+        b_s = b_s * exp(b_glast, FAST_EXP)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
+
+    if STORE_STATES:
+        tl.store(chunk_states + NC * cs_stride + state_off,
+                 as_stored(b_s, chunk_states, INTERPRET).to(chunk_states.dtype.element_ty), mask=m_kv)
+    if STORE_HT:
+        tl.store(ht + state_off, b_s, mask=m_kv)
+
+
+def kda_one_pass_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+    scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
+    output_final_state: bool = True, chunk_states: Union[None, bool, Tensor] = None,
+    *, cu_seqlens: Optional[Tensor] = None, block_v: int = 64, num_warps: int = 8, num_stages: int = 1,
+    paths: Optional[Tensor] = None,
+) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
+    """The chunked KDA forward in one launch (kda_one_pass_fwd_kernel): ``(o,
+    final_state, chunk_states)``.
+
+    q, k [B, T, H, K]; v [B, T, HV, V] (HV = G * H; value head hv reads key head
+    hv // G); g [B, T, HV, K] log decay (read as fp32); beta [B, T, HV]; ``scale``
+    (default K ** -0.5); ``initial_state`` [B, HV, K, V] or None (zeros). o is
+    [B, T, HV, V] in v's dtype; final_state fp32 [B, HV, K, V], None unless
+    ``output_final_state``. ``chunk_states``: None or False, not stored (None
+    returned); True, a fresh [B, NC + 1, HV, K, V] tensor (NC = ceil(T / 64)) of
+    ``_contract.chunk_states_dtype`` (bf16 for bf16 inputs, as the CUDA forward keeps
+    them) holding the state entering each chunk, then the final one; a tensor of that
+    shape and dtype (contiguous), written in place and returned.
+
+    Tuning: ``block_v`` (16, 32, 64 or 128) the V block of a program, ``num_warps``,
+    ``num_stages``. ``paths``: for tests, an int32 [B, NC, HV] tensor that receives the
+    path each chunk's A's took (0 split, 1 block references, 2 columns).
+    Fixed-length batches only (``cu_seqlens`` must be None), K <= 128. CUDA tensors,
+    or CPU tensors under TRITON_INTERPRET=1."""
+    if cu_seqlens is not None:
+        raise ValueError("cu_seqlens: packed sequences are not supported by the one-pass forward (v1)")
+    for name, x, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
+        if x.dim() != dims:
+            raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(x.shape)}")
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    if k.shape != q.shape:
+        raise ValueError(f"k: expected shape {tuple(q.shape)} (q's), got {tuple(k.shape)}")
+    if v.shape[:2] != (B, T) or HV % max(H, 1) != 0 or (H == 0 and HV != 0):
+        raise ValueError(f"v: expected [B={B}, T={T}, HV, V] with HV a multiple of H={H}, got {tuple(v.shape)}")
+    if g.shape != (B, T, HV, K):
+        raise ValueError(f"g: expected shape {(B, T, HV, K)}, got {tuple(g.shape)}")
+    if beta.shape != (B, T, HV):
+        raise ValueError(f"beta: expected shape {(B, T, HV)}, got {tuple(beta.shape)}")
+    if not 0 < K <= 128:
+        raise ValueError(f"q: K = {K}; the one-pass forward takes 1 <= K <= 128 (one K tile)")
+    if V < 1:
+        raise ValueError(f"v: V = {V}; expected V >= 1")
+    if block_v not in (16, 32, 64, 128):
+        raise ValueError(f"block_v: expected 16, 32, 64 or 128, got {block_v!r}")
+    if initial_state is not None and initial_state.shape != (B, HV, K, V):
+        raise ValueError(f"initial_state: expected shape {(B, HV, K, V)}, got {tuple(initial_state.shape)}")
+    _check_offsets(T, HV, K, V)
+    _check_grid(B, HV, T)
+
+    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    scale = K ** -0.5 if scale is None else float(scale)
+    NC = _cdiv(T, BT)
+    f32 = dict(device=q.device, dtype=torch.float32)
+    h0 = None if initial_state is None else initial_state.contiguous().float()
+    o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
+    ht = torch.empty(B, HV, K, V, **f32) if output_final_state else None
+    cs_shape = (B, NC + 1, HV, K, V)
+    cs_dtype = chunk_states_dtype(q.dtype, _SERVES)
+    if isinstance(chunk_states, Tensor):
+        if tuple(chunk_states.shape) != cs_shape or chunk_states.dtype != cs_dtype or not chunk_states.is_contiguous():
+            raise ValueError(f"chunk_states: expected a contiguous {cs_dtype} tensor of shape {cs_shape}, got "
+                             f"{chunk_states.dtype} {tuple(chunk_states.shape)}")
+        cs = chunk_states
+    elif chunk_states is True:
+        cs = torch.empty(cs_shape, device=q.device, dtype=cs_dtype)
+    elif chunk_states is None or chunk_states is False:
+        cs = None
+    else:
+        raise ValueError(f"chunk_states: expected None, a bool or a tensor, got {type(chunk_states).__name__}")
+    if paths is not None and (tuple(paths.shape) != (B, NC, HV) or paths.dtype != torch.int32):
+        raise ValueError(f"paths: expected an int32 tensor of shape {(B, NC, HV)}")
+    if B * HV == 0:
+        return o, ht, cs
+    bf16_operands = scan_operand_dtype(q.dtype) == torch.bfloat16
+    kda_one_pass_fwd_kernel[(_cdiv(V, block_v), B * HV)](
+        q, k, v, g, beta, o if h0 is None else h0,
+        o, o if ht is None else ht, o if cs is None else cs, o if paths is None else paths,
+        scale, T, NC, H, HV,
+        K=K, V=V, BT=BT, BC=BC, BK=max(16, _pow2(K)), BV=block_v, MAX_SPLIT=MAX_SPLIT,
+        HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_STATES=cs is not None, STORE_PATHS=paths is not None,
+        DOT_PREC=_dot_precision(q.dtype), BF16_DOTS=bf16_operands, INTERPRET=_INTERPRET, FAST_EXP=_fast_exp(),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, ht, cs
