@@ -73,19 +73,21 @@ def _close(got, want, name):
 
 
 SHAPES = [
-    # B, T, H, G, K, V, initial state, V block
-    (1, 5, 1, 1, 16, 16, True, 16),  # shorter than a sub-block
-    (2, CHUNK_SIZE, 1, 2, 16, 32, False, 16),  # exactly one chunk, GVA, two V blocks
-    (1, 2 * CHUNK_SIZE + 19, 2, 2, 24, 20, True, 16),  # K, V not powers of two; partial chunk; V = 20 in blocks of 16
-    (1, 2 * CHUNK_SIZE + 19, 1, 2, 32, 32, False, 32),
+    # B, T, H, G, K, V, initial state, V block, K slice of the A's
+    (1, 5, 1, 1, 16, 16, True, 16, 32),  # shorter than a sub-block
+    (2, CHUNK_SIZE, 1, 2, 16, 32, False, 16, 32),  # exactly one chunk, GVA, two V blocks
+    # K, V not powers of two; partial chunk; V = 20 in blocks of 16; K = 24 in one slice, or two of 16
+    (1, 2 * CHUNK_SIZE + 19, 2, 2, 24, 20, True, 16, 32),
+    (1, 2 * CHUNK_SIZE + 19, 2, 2, 24, 20, True, 16, 16),
+    (1, 2 * CHUNK_SIZE + 19, 1, 2, 32, 32, False, 32, 32),
 ]
 
 
-@pytest.mark.parametrize("B,T,H,G,K,V,with_h0,block_v", SHAPES)
-def test_one_pass_fp32_matches_reference_and_the_six_launch_forward(B, T, H, G, K, V, with_h0, block_v):
+@pytest.mark.parametrize("B,T,H,G,K,V,with_h0,block_v,block_k_a", SHAPES)
+def test_one_pass_fp32_matches_reference_and_the_six_launch_forward(B, T, H, G, K, V, with_h0, block_v, block_k_a):
     args, h0, (o_ref, ht_ref, cs_ref) = _problem(B, T, H, G, K, V, with_h0, seed=11 + T + K)
     paths = _paths(B, T, H * G)
-    o, ht, cs = kda_one_pass_fwd(*args, None, h0, True, True, block_v=block_v, paths=paths)
+    o, ht, cs = kda_one_pass_fwd(*args, None, h0, True, True, block_v=block_v, block_k_a=block_k_a, paths=paths)
     assert o.dtype == torch.float32 and ht.dtype == torch.float32 and cs.dtype == torch.float32
     assert cs.shape == (B, -(-T // CHUNK_SIZE) + 1, H * G, K, V)
     assert paths.min().item() >= 0  # every chunk's path recorded
@@ -107,15 +109,16 @@ def _steeper_second_chunk(drop: float, positive_entry: bool = False):
 # drop 4: ~1.3 + 4 per token over 32 rows from the chunk's middle (> 60), 8 from a
 # block's middle (< 60): block references. drop 9: > 60 within a block: columns.
 # drop 4 with a rising entry: block spreads allow references but the gate is not <= 0.
-@pytest.mark.parametrize("drop,positive_entry,want", [(4.0, False, [0, 1, 0]), (9.0, False, [0, 2, 0]),
-                                                      (4.0, True, [0, 2, 0])])
-def test_one_pass_steep_chunks_take_the_other_paths(drop, positive_entry, want):
+@pytest.mark.parametrize("drop,positive_entry,want,block_k_a", [(4.0, False, [0, 1, 0], 32), (9.0, False, [0, 2, 0], 32),
+                                                                (4.0, True, [0, 2, 0], 32), (4.0, False, [0, 1, 0], 16),
+                                                                (9.0, False, [0, 2, 0], 16)])
+def test_one_pass_steep_chunks_take_the_other_paths(drop, positive_entry, want, block_k_a):
     B, T, H, G, K, V = 1, 2 * CHUNK_SIZE + 19, 1, 2, 24, 20
     args, h0, (o_ref, ht_ref, cs_ref) = _problem(B, T, H, G, K, V, True, seed=5,
                                                  steep=_steeper_second_chunk(drop, positive_entry))
     assert _python_paths(args[3].cpu()) == want
     paths = _paths(B, T, H * G)
-    o, ht, cs = kda_one_pass_fwd(*args, None, h0, True, True, block_v=16, paths=paths)
+    o, ht, cs = kda_one_pass_fwd(*args, None, h0, True, True, block_v=16, block_k_a=block_k_a, paths=paths)
     assert paths[0, :, 0].tolist() == want and paths[0, :, 1].tolist()[1] != 0
     for name, got, want_t in (("o", o, o_ref), ("final_state", ht, ht_ref), ("chunk_states", cs, cs_ref)):
         _close(got, want_t, name)

@@ -18,6 +18,12 @@ U' is formed as Tm (beta v - Kb S) rather than Tm (beta v) - (Tm Kb) S: the same
 in another order, one [BT, BT] x [BT, BV] dot instead of a [BT, BT] x [BT, BK] one
 (W) and no [BT, BK] W tile.
 
+Registers (sm_90a, benchmarks/one_pass_resources.py): per chunk, gam on the whole
+[BT, BK] tile gives the path and Gam; the A's are then formed over K slices of BKA
+with g, k, q loaded again per slice; Kb, Qg, Kr only where the scan takes them, from
+g, k, q loaded once more (cache hits, not DRAM). Holding the whole tiles instead
+spilled more (2.2-2.9 KB against 1.1-1.9 KB now; see ONE_PASS_STATUS.md).
+
 The A's take one of three paths per chunk (a scalar branch on the chunk's gates):
   0 split: every row of gam within MAX_SPLIT of the middle row m: A = (X exp(gam - gam_m))
     (K exp(gam_m - gam))^T, two dots; entries above the diagonal may overflow and are
@@ -67,20 +73,46 @@ def _row(x, o_r, r):
 
 
 @triton.jit
-def _a_block_refs(b_q, b_k, b_gam, o_r, A_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
-                  BK: tl.constexpr, FAST_EXP: tl.constexpr):
-    """Path 1: both A's (unmasked) with each BC-row block's middle row as the reference
-    of its rows, for the columns up to the block's end (zero after it)."""
+def _slice(g, k, q, row_g, row_qk, m_tk, scale):
+    """One K slice of the chunk (pointers at the chunk's first row and the slice's first
+    column; offsets and mask [BT, BKA]): gam = cumsum(g) (rows past T repeat the last
+    valid row), k and q * scale, fp32."""
+    b_gam = tl.cumsum(tl.load(g + row_g, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+    b_k = tl.load(k + row_qk, mask=m_tk, other=0.0).to(tl.float32)
+    b_q = tl.load(q + row_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
+    return b_gam, b_k, b_q
+
+
+@triton.jit
+def _a_split(b_q, b_k, b_gam, o_r, b_akk, b_aqk, A_PREC: tl.constexpr, BT: tl.constexpr, FAST_EXP: tl.constexpr):
+    """Path 0, one K slice: A += (X exp(gam - gam_m)) (K exp(gam_m - gam))^T, m the
+    chunk's middle row (unmasked: entries above the diagonal may overflow)."""
+    b_dm = b_gam - _row(b_gam, o_r, BT // 2)[None, :]
+    b_kn = tl.trans(b_k * exp(-b_dm, FAST_EXP))
+    b_ep = exp(b_dm, FAST_EXP)
+    b_akk += tl.dot(b_k * b_ep, b_kn, input_precision=A_PREC)
+    b_aqk += tl.dot(b_q * b_ep, b_kn, input_precision=A_PREC)
+    return b_akk, b_aqk
+
+
+@triton.jit
+def _block_mid(b_gam, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr):
+    """Each BC-row block's middle row of ``b_gam`` [BT, BKA], as [BT // BC, BKA]."""
     NB: tl.constexpr = BT // BC
     o_c = tl.arange(0, BC)
-    # every row's block reference, [BT, BK]
-    b_mid = tl.sum(tl.where((o_c == BC // 2)[None, :, None], tl.reshape(b_gam, (NB, BC, BK)), 0.0), 1)
-    b_gref = tl.reshape(tl.broadcast_to(b_mid[:, None, :], (NB, BC, BK)), (BT, BK))
+    return tl.sum(tl.where((o_c == BC // 2)[None, :, None], tl.reshape(b_gam, (NB, BC, BKA)), 0.0), 1)
+
+
+@triton.jit
+def _a_block_refs(b_q, b_k, b_gam, o_r, b_akk, b_aqk, A_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+                  BKA: tl.constexpr, FAST_EXP: tl.constexpr):
+    """Path 1, one K slice: both A's (unmasked) with each BC-row block's middle row as
+    the reference of its rows, for the columns up to the block's end (zero after it)."""
+    NB: tl.constexpr = BT // BC
+    b_gref = tl.reshape(tl.broadcast_to(_block_mid(b_gam, BT, BC, BKA)[:, None, :], (NB, BC, BKA)), (BT, BKA))
     b_er = exp(b_gam - b_gref, FAST_EXP)
     b_kl = b_k * b_er
     b_ql = b_q * b_er
-    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_b in tl.static_range(NB):
         b_gm = _row(b_gam, o_r, i_b * BC + BC // 2)
         upto = (o_r < (i_b + 1) * BC)[:, None]
@@ -92,19 +124,17 @@ def _a_block_refs(b_q, b_k, b_gam, o_r, A_PREC: tl.constexpr, BT: tl.constexpr, 
 
 
 @triton.jit
-def _a_columns(b_q, b_k, b_gam, o_r, n_rows, BT: tl.constexpr, FAST_EXP: tl.constexpr):
-    """Path 2: both A's exactly, column by column (the chunk's ``n_rows`` valid ones):
-    A[i, j] = sum_d X_id k_jd exp(gam_id - gam_jd) for i >= j (else 0), no reference
-    row, so no factor leaves fp32 range unless the entry itself does."""
-    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+def _a_columns(b_q, b_k, b_gam, o_r, n_rows, b_akk, b_aqk, FAST_EXP: tl.constexpr):
+    """Path 2, one K slice: both A's exactly, column by column (the chunk's ``n_rows``
+    valid ones): A[i, j] += sum_d X_id k_jd exp(gam_id - gam_jd) for i >= j, no
+    reference row, so no factor leaves fp32 range unless the entry itself does."""
     for j in range(0, n_rows):
         b_kj = _row(b_k, o_r, j)
         b_gj = _row(b_gam, o_r, j)
         b_kje = b_kj[None, :] * exp(tl.where((o_r >= j)[:, None], b_gam - b_gj[None, :], float("-inf")), FAST_EXP)
         col = (o_r == j)[None, :]
-        b_akk = tl.where(col, tl.sum(b_k * b_kje, 1)[:, None], b_akk)
-        b_aqk = tl.where(col, tl.sum(b_q * b_kje, 1)[:, None], b_aqk)
+        b_akk = tl.where(col, b_akk + tl.sum(b_k * b_kje, 1)[:, None], b_akk)
+        b_aqk = tl.where(col, b_aqk + tl.sum(b_q * b_kje, 1)[:, None], b_aqk)
     return b_akk, b_aqk
 
 
@@ -146,7 +176,7 @@ def kda_one_pass_fwd_kernel(
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKA: tl.constexpr,
     MAX_SPLIT: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_STATES: tl.constexpr, STORE_PATHS: tl.constexpr,
     DOT_PREC: tl.constexpr, BF16_DOTS: tl.constexpr = False,
@@ -188,6 +218,9 @@ def kda_one_pass_fwd_kernel(
     state_off = o_k[:, None] * V + o_v[None, :]
     row_qk = o_r[:, None] * (H * K) + o_k[None, :]
     row_g = o_r[:, None] * (HV * K) + o_k[None, :]
+    o_a = tl.arange(0, BKA)  # a K slice's columns, from its first
+    row_qka = o_r[:, None] * (H * K) + o_a[None, :]
+    row_ga = o_r[:, None] * (HV * K) + o_a[None, :]
     row_v = o_r[:, None] * (HV * V) + o_v[None, :]
     lower = o_r[:, None] > o_r[None, :]
     causal = o_r[:, None] >= o_r[None, :]
@@ -202,60 +235,87 @@ def kda_one_pass_fwd_kernel(
             tl.store(chunk_states + i_c * cs_stride + state_off,
                      as_stored(b_s, chunk_states, INTERPRET).to(chunk_states.dtype.element_ty), mask=m_kv)
         r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
+        p_g = g + r0 * (HV * K)
+        p_k = k + r0 * (H * K)
+        p_q = q + r0 * (H * K)
         n_rows = tl.minimum(T - i_c * BT, BT)  # its valid rows
         m_t = o_r < n_rows
-        m_tk = m_t[:, None] & m_k[None, :]
-        # gam: rows past T load g = 0, so they repeat the last valid row; Gam (the last
-        # row) is then the last valid one's, and those rows stay inside the spreads
-        # of the valid rows (each equals a valid row).
-        b_gam = tl.cumsum(tl.load(g + r0 * (HV * K) + row_g, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-        b_glast = _row(b_gam, o_r, BT - 1)
-        b_gmid = _row(b_gam, o_r, BT // 2)
-        b_k = tl.load(k + r0 * (H * K) + row_qk, mask=m_tk, other=0.0).to(tl.float32)
-        b_q = tl.load(q + r0 * (H * K) + row_qk, mask=m_tk, other=0.0).to(tl.float32) * scale
         b_beta = tl.load(beta + r0 * HV + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
 
+        # gam on the whole [BT, BK] tile, for the chunk's path and Gam (rows past T load
+        # g = 0, so they repeat the last valid row: Gam, the last row, is the last valid
+        # one's, and those rows add nothing to the spreads). The scan's operands (Kb,
+        # Qg, Kr) are formed only where the scan takes them, from g, k and q loaded
+        # again (cache hits): held from here on, they spilled (sm_90a).
+        m_tk = m_t[:, None] & m_k[None, :]
+        b_gam = tl.cumsum(tl.load(p_g + row_g, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+        b_glast = _row(b_gam, o_r, BT - 1)
         # one reduction over the flattened tile (max is exact in any order)
-        spread = tl.max(tl.reshape(tl.abs(b_gam - b_gmid[None, :]), (BT * BK,)), 0)
+        spread = tl.max(tl.reshape(tl.abs(b_gam - _row(b_gam, o_r, BT // 2)[None, :]), (BT * BK,)), 0)
+
+        # Then the A's over K slices of BKA, each slice of g, k and q loaded again
+        # (cache hits): the whole tiles and the slices' exp factors are never live
+        # together (registers).
+        b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
         path = tl.full([], 0, tl.int32)
         if spread <= MAX_SPLIT:
-            b_dm = b_gam - b_gmid[None, :]
-            b_kn = tl.trans(b_k * exp(-b_dm, FAST_EXP))
-            b_ep = exp(b_dm, FAST_EXP)
-            b_akk = tl.dot(b_k * b_ep, b_kn, input_precision=DOT_PREC)
-            b_aqk = tl.dot(b_q * b_ep, b_kn, input_precision=DOT_PREC)
+            for i_s in range(0, BK // BKA):
+                o_s = i_s * BKA + o_a
+                m_ts = m_t[:, None] & (o_s < K)[None, :]
+                b_gs, b_ks, b_qs = _slice(p_g + i_s * BKA, p_k + i_s * BKA, p_q + i_s * BKA, row_ga, row_qka, m_ts,
+                                          scale)
+                b_akk, b_aqk = _a_split(b_qs, b_ks, b_gs, o_r, b_akk, b_aqk, DOT_PREC, BT, FAST_EXP)
         else:
-            NB: tl.constexpr = BT // BC
-            o_c = tl.arange(0, BC)
-            b_mid = tl.sum(tl.where((o_c == BC // 2)[None, :, None], tl.reshape(b_gam, (NB, BC, BK)), 0.0), 1)
-            block_spread = tl.max(tl.reshape(tl.abs(tl.reshape(b_gam, (NB, BC, BK)) - b_mid[:, None, :]),
-                                             (BT * BK,)), 0)
-            # a decaying gate (g <= 0 on the valid rows; rows past T load 0) keeps the
-            # factors before each block <= 1
-            g_max = tl.max(tl.reshape(tl.load(g + r0 * (HV * K) + row_g, mask=m_tk, other=0.0).to(tl.float32),
-                                      (BT * BK,)), 0)
+            # block references need every 16-row block within MAX_SPLIT of its middle
+            # row, and a decaying gate (g <= 0 on the valid rows; rows past T load 0),
+            # which keeps the factors before each block <= 1
+            block_spread = tl.full([], 0.0, tl.float32)
+            g_max = tl.full([], 0.0, tl.float32)
+            for i_s in range(0, BK // BKA):
+                m_ts = m_t[:, None] & ((i_s * BKA + o_a) < K)[None, :]
+                b_gsl = tl.load(p_g + i_s * BKA + row_ga, mask=m_ts, other=0.0).to(tl.float32)
+                g_max = tl.maximum(g_max, tl.max(tl.reshape(b_gsl, (BT * BKA,)), 0))
+                b_gsl = tl.cumsum(b_gsl, axis=0)
+                b_dev = tl.abs(tl.reshape(b_gsl, (BT // BC, BC, BKA)) - _block_mid(b_gsl, BT, BC, BKA)[:, None, :])
+                block_spread = tl.maximum(block_spread, tl.max(tl.reshape(b_dev, (BT * BKA,)), 0))
             if (block_spread <= MAX_SPLIT) & (g_max <= 0.0):
                 path = tl.full([], 1, tl.int32)
-                b_akk, b_aqk = _a_block_refs(b_q, b_k, b_gam, o_r, DOT_PREC, BT, BC, BK, FAST_EXP)
+                for i_s in range(0, BK // BKA):
+                    m_ts = m_t[:, None] & ((i_s * BKA + o_a) < K)[None, :]
+                    b_gs, b_ks, b_qs = _slice(p_g + i_s * BKA, p_k + i_s * BKA, p_q + i_s * BKA, row_ga, row_qka,
+                                              m_ts, scale)
+                    b_akk, b_aqk = _a_block_refs(b_qs, b_ks, b_gs, o_r, b_akk, b_aqk, DOT_PREC, BT, BC, BKA,
+                                                 FAST_EXP)
             else:
                 path = tl.full([], 2, tl.int32)
-                b_akk, b_aqk = _a_columns(b_q, b_k, b_gam, o_r, n_rows, BT, FAST_EXP)
+                for i_s in range(0, BK // BKA):
+                    m_ts = m_t[:, None] & ((i_s * BKA + o_a) < K)[None, :]
+                    b_gs, b_ks, b_qs = _slice(p_g + i_s * BKA, p_k + i_s * BKA, p_q + i_s * BKA, row_ga, row_qka,
+                                              m_ts, scale)
+                    b_akk, b_aqk = _a_columns(b_qs, b_ks, b_gs, o_r, n_rows, b_akk, b_aqk, FAST_EXP)
         if STORE_PATHS:
             tl.store(paths + i_c * HV, path)
         # entries above the diagonal may be inf or NaN (path 0): selected away, never multiplied
         b_aqk = _operand(tl.where(causal, b_aqk, 0.0), BF16_DOTS, INTERPRET)
         b_tm = _unit_lower_inverse(b_beta[:, None] * tl.where(lower, b_akk, 0.0), DOT_PREC, BT, BC)
 
-        b_eg = exp(b_gam, FAST_EXP)
-        b_kb = _operand(b_beta[:, None] * b_k * b_eg, BF16_DOTS, INTERPRET)
-        b_qg = _operand(b_q * b_eg, BF16_DOTS, INTERPRET)
-        b_kr = _operand(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), BF16_DOTS, INTERPRET)
-
         m_tv = m_t[:, None] & m_v[None, :]
+        # each tile loaded where it is taken (q, k read again: cache hits)
+        b_gam = tl.cumsum(tl.load(p_g + row_g, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+        b_eg = exp(b_gam, FAST_EXP)
+        b_kb = _operand(b_beta[:, None] * tl.load(p_k + row_qk, mask=m_tk, other=0.0).to(tl.float32) * b_eg,
+                        BF16_DOTS, INTERPRET)
+        b_qg = _operand(tl.load(p_q + row_qk, mask=m_tk, other=0.0).to(tl.float32) * scale * b_eg, BF16_DOTS,
+                        INTERPRET)
+        b_o = dot(b_qg, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
         b_bv = b_beta[:, None] * tl.load(v + r0 * (HV * V) + row_v, mask=m_tv, other=0.0).to(tl.float32)
         b_up = dot(b_tm, b_bv - dot(b_kb, b_s, BF16_DOTS, DOT_PREC, INTERPRET), BF16_DOTS, DOT_PREC, INTERPRET)
-        b_o = dot(b_aqk, b_up, BF16_DOTS, DOT_PREC, INTERPRET) + dot(b_qg, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
+        b_o += dot(b_aqk, b_up, BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(o + r0 * (HV * V) + row_v, as_stored(b_o, o, INTERPRET).to(o.dtype.element_ty), mask=m_tv)
+        b_kr = _operand(tl.load(p_k + row_qk, mask=m_tk, other=0.0).to(tl.float32) * exp(b_glast[None, :] - b_gam,
+                                                                                          FAST_EXP),
+                        BF16_DOTS, INTERPRET)
         b_s = b_s * exp(b_glast, FAST_EXP)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
     if STORE_STATES:
@@ -269,7 +329,8 @@ def kda_one_pass_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
     output_final_state: bool = True, chunk_states: Union[None, bool, Tensor] = None,
-    *, cu_seqlens: Optional[Tensor] = None, block_v: int = 64, num_warps: int = 8, num_stages: int = 1,
+    *, cu_seqlens: Optional[Tensor] = None, block_v: int = 64, block_k_a: int = 32, num_warps: int = 8,
+    num_stages: int = 1,
     paths: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """The chunked KDA forward in one launch (kda_one_pass_fwd_kernel): ``(o,
@@ -285,8 +346,9 @@ def kda_one_pass_fwd(
     them) holding the state entering each chunk, then the final one; a tensor of that
     shape and dtype (contiguous), written in place and returned.
 
-    Tuning: ``block_v`` (16, 32, 64 or 128) the V block of a program, ``num_warps``,
-    ``num_stages``. ``paths``: for tests, an int32 [B, NC, HV] tensor that receives the
+    Tuning: ``block_v`` (16, 32, 64 or 128) the V block of a program; ``block_k_a``
+    (16, 32, 64 or 128) the K slices over which the A's are formed (at most the K
+    block); ``num_warps``, ``num_stages``. ``paths``: for tests, an int32 [B, NC, HV] tensor that receives the
     path each chunk's A's took (0 split, 1 block references, 2 columns).
     Fixed-length batches only (``cu_seqlens`` must be None), K <= 128. CUDA tensors,
     or CPU tensors under TRITON_INTERPRET=1."""
@@ -311,6 +373,8 @@ def kda_one_pass_fwd(
         raise ValueError(f"v: V = {V}; expected V >= 1")
     if block_v not in (16, 32, 64, 128):
         raise ValueError(f"block_v: expected 16, 32, 64 or 128, got {block_v!r}")
+    if block_k_a not in (16, 32, 64, 128):
+        raise ValueError(f"block_k_a: expected 16, 32, 64 or 128, got {block_k_a!r}")
     if initial_state is not None and initial_state.shape != (B, HV, K, V):
         raise ValueError(f"initial_state: expected shape {(B, HV, K, V)}, got {tuple(initial_state.shape)}")
     _check_offsets(T, HV, K, V)
@@ -341,11 +405,12 @@ def kda_one_pass_fwd(
     if B * HV == 0:
         return o, ht, cs
     bf16_operands = scan_operand_dtype(q.dtype) == torch.bfloat16
+    BK = max(16, _pow2(K))
     kda_one_pass_fwd_kernel[(_cdiv(V, block_v), B * HV)](
         q, k, v, g, beta, o if h0 is None else h0,
         o, o if ht is None else ht, o if cs is None else cs, o if paths is None else paths,
         scale, T, NC, H, HV,
-        K=K, V=V, BT=BT, BC=BC, BK=max(16, _pow2(K)), BV=block_v, MAX_SPLIT=MAX_SPLIT,
+        K=K, V=V, BT=BT, BC=BC, BK=BK, BV=block_v, BKA=min(block_k_a, BK), MAX_SPLIT=MAX_SPLIT,
         HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_STATES=cs is not None, STORE_PATHS=paths is not None,
         DOT_PREC=_dot_precision(q.dtype), BF16_DOTS=bf16_operands, INTERPRET=_INTERPRET, FAST_EXP=_fast_exp(),
         num_warps=num_warps, num_stages=num_stages,
