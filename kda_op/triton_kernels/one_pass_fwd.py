@@ -329,7 +329,7 @@ def kda_one_pass_fwd(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
     output_final_state: bool = True, chunk_states: Union[None, bool, Tensor] = None,
-    *, cu_seqlens: Optional[Tensor] = None, block_v: int = 64, block_k_a: int = 32, num_warps: int = 8,
+    *, cu_seqlens: Optional[Tensor] = None, block_v: int = 32, block_k_a: int = 32, num_warps: int = 8,
     num_stages: int = 1,
     paths: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
