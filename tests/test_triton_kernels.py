@@ -1974,3 +1974,68 @@ def test_fast_exp_matches_tl_exp(dtype, monkeypatch):
         if ref.numel():
             # bf16: grads rounded to bf16, the dots' operands in TF32 or bf16 (as test_cuda's)
             assert rel_err(b, ref) < (1e-4 if dtype == torch.float32 else 2e-2), name
+
+
+def test_triton_one_pass_forward_serves_where_it_was_built_for(monkeypatch):
+    """settings.ONE_PASS_FWD: kda_fwd_triton runs the whole forward in one launch
+    (one_pass_fwd.py) on fixed-length bf16 inputs with K <= 128 and g given, where no
+    intermediates are kept and its programs fill the device; its o, final state and
+    chunk states are close to the six launches', and a recomputing backward from its
+    chunk states gives the grads of the six launches' chunk states. Kept intermediates,
+    fp32 inputs, packed sequences, fla's gate and too few programs take the six launches."""
+    from kda_op.triton_kernels import fwd, one_pass_fwd, settings
+
+    launches = []
+    _on_launch(monkeypatch, one_pass_fwd, "kda_one_pass_fwd_kernel", lambda kw: launches.append("one_pass"))
+    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel", lambda kw: launches.append("intra_wu"))
+    monkeypatch.setattr(settings, "ONE_PASS_BV", 16)
+    x = _inputs(2, 2 * CHUNK_SIZE + 11, 1, 2, 32, 32, True, seed=101)
+    q, k, v, beta = (x[n].to(torch.bfloat16) for n in ("q", "k", "v", "beta"))
+    g, h0 = x["g"], x["initial_state"]
+    args = (q, k, v, g, beta, None, h0)
+
+    six = kda_fwd_triton(*args)
+    assert launches == ["intra_wu"], launches  # off by default
+    monkeypatch.setattr(settings, "ONE_PASS_FWD", 1)
+    launches.clear()
+    kda_fwd_triton(*args)
+    # 2 * 2 heads * 2 V blocks = 8 programs, under one an SM (132 in CPU runs)
+    assert launches == ["intra_wu"], launches
+    monkeypatch.setattr(settings, "ONE_PASS_MIN_PROGRAMS_PER_SM", 0)
+    launches.clear()
+    one = kda_fwd_triton(*args)
+    assert launches == ["one_pass"], launches
+    # bf16 operands in both (Qg, Kr, the states, U' rounded to bf16 at 2^-9 each, summed
+    # in other orders): within 1e-2 of each other in norm, as each is of the reference
+    for name, got, want in zip(("o", "final state", "chunk states"), one[:3], six[:3]):
+        got, want = got.float(), want.float()
+        assert got.shape == want.shape and (got - want).norm() <= 1e-2 * want.norm(), name
+    # no final state, no chunk states: the same o
+    launches.clear()
+    o, ht, cs, _ = kda_fwd_triton(*args, output_final_state=False, keep_chunk_states=False)
+    assert launches == ["one_pass"] and ht.shape == (0,) and cs.shape == (0,) and torch.equal(o, one[0])
+    # the backward recomputing the intra-chunk stage from the one-pass chunk states
+    gen = torch.Generator().manual_seed(102)
+    do = torch.randn(one[0].shape, generator=gen).to(DEVICE).to(torch.bfloat16)
+    grads_one = kda_bwd_triton(*args, one[2], do, None)
+    grads_six = kda_bwd_triton(*args, six[2], do, None)
+    for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads_one, grads_six):
+        got, want = got.float(), want.float()
+        assert torch.isfinite(got).all() and (got - want).norm() <= 2e-2 * want.norm(), name
+    # where it does not serve: the six launches
+    others = [
+        dict(keep_intermediates=True),
+        dict(args=(q.float(), k.float(), v.float(), g, beta.float(), None, h0)),
+        dict(args=(q[:1], k[:1], v[:1], g[:1], beta[:1], None, None),
+             cu_seqlens=torch.tensor([0, 70, 2 * CHUNK_SIZE + 11], device=DEVICE)),
+        dict(gate=(torch.randn(4).to(DEVICE), None, -5.0)),
+    ]
+    for other in others:
+        launches.clear()
+        call_args = other.pop("args", args)
+        kda_fwd_triton(*call_args, **other)
+        # (packed: intra_wu_fwd in two launches, short tiles apart)
+        assert "one_pass" not in launches and "intra_wu" in launches, (launches, other.keys())
+    monkeypatch.setattr(settings, "ONE_PASS_FWD", 2)
+    with pytest.raises(ValueError, match="ONE_PASS_FWD"):
+        kda_fwd_triton(*args)

@@ -18,7 +18,7 @@ from ..reference import L2NORM_EPS
 from .._contract import aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
 from . import settings as S
 from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
-                    _intermediates_views, _kernel, _layout, _pow2, _range, _sizes, _steep_dot_precision,
+                    _intermediates_views, _kernel, _layout, _pow2, _range, _sizes, _sm_count, _steep_dot_precision,
                     _work_list, _zero_alignment_gaps)
 from .decode import kda_recurrent_fwd_triton
 from .diag_inv import kda_diag_inv_kernel
@@ -26,6 +26,7 @@ from .gam_fwd import kda_gam_fwd_kernel
 from .intra_a_fwd import kda_intra_a_fwd_kernel, kda_intra_a_fwd_steep_kernel
 from .intra_a_fwd_rows import kda_intra_a_fwd_rows_kernel
 from .intra_wu_fwd import kda_intra_wu_fwd_kernel
+from .one_pass_fwd import kda_one_pass_fwd
 from .output_fwd import kda_output_fwd_kernel
 from .prep import kda_prep_fwd_kernel
 from .settings import BC, BT, MAX_SPLIT
@@ -221,6 +222,14 @@ def kda_fwd_triton(
                 chunk_states[:, 0].copy_(h0)
             chunk_states[:, 1].copy_(ht)
         return o, (ht if output_final_state else ht.new_empty(0)), chunk_states, intermediates
+    if NC > 0 and T > 0 and s["NSEQ"] * HV > 0 and not keep_intermediates and _one_pass_serves(q, s, gate):
+        # the whole forward in one launch (settings.ONE_PASS_FWD)
+        with _range("kda_op::fwd::one_pass"):
+            o, ht, _ = kda_one_pass_fwd(q, k, v, g, beta, scale, h0, output_final_state=output_final_state,
+                                        chunk_states=chunk_states if keep_chunk_states else None,
+                                        block_v=S.ONE_PASS_BV, block_k_a=S.ONE_PASS_BKA,
+                                        num_warps=S.ONE_PASS_WARPS, num_stages=S.ONE_PASS_STAGES)
+        return o, (ht if output_final_state else torch.empty(0, **f32)), chunk_states, intermediates
     ht = torch.empty(s["NSEQ"], HV, K, V, **f32) if output_final_state else torch.empty(0, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     if s["NSEQ"] * HV == 0:
@@ -267,6 +276,21 @@ def _new_chunk_states(q: Tensor, s: dict, empty: bool = False) -> Tensor:
     them in (``empty``: [0], for a caller that keeps none)."""
     shape = (0,) if empty else (s["B"], s["NCS"], s["HV"], s["K"], s["V"])
     return torch.empty(shape, device=q.device, dtype=chunk_states_dtype(q.dtype, _SERVES))
+
+
+def _one_pass_serves(q: Tensor, s: dict, gate: Optional[tuple]) -> bool:
+    """Whether the forward runs in one launch (settings.ONE_PASS_FWD, one_pass_fwd.py):
+    on fixed-length bf16 inputs with K <= 128 and g given (what it was built for: no
+    packed sequences nor in-kernel gate yet; fp32 operands spill 4.9 KB at sm_90a), where
+    its programs (B * HV * V blocks, each walking a whole sequence) number at least
+    ONE_PASS_MIN_PROGRAMS_PER_SM an SM. The caller keeps no intermediates."""
+    if S.ONE_PASS_FWD not in (0, 1):
+        raise ValueError(f"settings.ONE_PASS_FWD: expected 0 or 1, got {S.ONE_PASS_FWD!r}")
+    if not S.ONE_PASS_FWD:
+        return False
+    programs = s["B"] * s["HV"] * _cdiv(s["V"], S.ONE_PASS_BV)
+    return (gate is None and not s["IS_VARLEN"] and q.dtype == torch.bfloat16 and s["K"] <= 128
+            and programs >= S.ONE_PASS_MIN_PROGRAMS_PER_SM * _sm_count(q.device))
 
 
 def _fuses_output(s: dict, x: dict) -> bool:

@@ -522,6 +522,23 @@ FUSED_OUTPUT_MIN_BV = 64
 # stages 144 KB (one CTA).
 FUSED_OUTPUT_WARPS = 4
 FUSED_OUTPUT_STAGES = 1
+# The whole forward in one launch (one_pass_fwd.py; 1): one program per (V block, sequence *
+# value head) walks its chunks and forms gam, the A's, Tm, U', the output and the state on
+# chip, reading q, k, v, g, beta and writing o (and the chunk states where kept), instead of
+# the six launches that pass gam, the A's, W, U, Qg, Kr and U' through memory (0). Used by
+# a forward that keeps no intermediates (no grad, or recompute_in_backward) on fixed-length
+# bf16 inputs with K <= 128 and g given (no in-kernel gate), where its programs fill the
+# device: B * HV * (V / ONE_PASS_BV) >= ONE_PASS_MIN_PROGRAMS_PER_SM programs an SM (each
+# walks a whole sequence, so fewer would leave SMs idle). Built 2026-12-05 without a
+# device (interpreter tests; sm_90a compiles with Triton 3.6: 255 registers and 1.1-1.9 KB
+# of spills): 0 until timed. ONE_PASS_BV: its V block (each V block forms the chunk's A's
+# and Tm again); ONE_PASS_BKA: the K slices of the A's; its warps and stages.
+ONE_PASS_FWD = 0
+ONE_PASS_BV = 32
+ONE_PASS_BKA = 32
+ONE_PASS_WARPS = 8
+ONE_PASS_STAGES = 1
+ONE_PASS_MIN_PROGRAMS_PER_SM = 1
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
 GVA_ROWS = 32
 # Where each key head has one value head (G = 1: nothing to sum), the backward through the
