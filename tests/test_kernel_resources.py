@@ -88,3 +88,19 @@ def _resources(dtype, head_dim, scan_bv, *extra) -> str:
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
     return run.stdout
+
+
+def test_the_one_pass_forward_fits():
+    """settings.ONE_PASS_FWD (off by default): the forward in one launch compiles for
+    sm_90a at its settings' V block and warps and at a V block of 64, bf16, K = V = 128,
+    within the H200's shared memory (benchmarks/one_pass_resources.py)."""
+    from kda_op.triton_kernels import settings
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    bvs = sorted({settings.ONE_PASS_BV, 64})
+    cmd = [sys.executable, str(REPO / "benchmarks" / "one_pass_resources.py"), "--bv", *map(str, bvs),
+           "--warps", str(settings.ONE_PASS_WARPS), "--bka", str(settings.ONE_PASS_BKA)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, (run.stdout[-3000:], run.stderr[-3000:])
+    assert run.stdout.count("shared") == len(bvs), run.stdout
