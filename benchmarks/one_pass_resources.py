@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stages", type=int, nargs="+", default=[1])
     parser.add_argument("--bka", type=int, default=32, help="the K slice of the A's")
     parser.add_argument("--no-states", action="store_true", help="compile without the chunk-state stores")
+    parser.add_argument("--varlen", action="store_true", help="packed sequences (cu_seqlens)")
     parser.add_argument("--sass", action="store_true",
                         help="also static SASS instruction counts (kernel_resources.sass_summary)")
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
@@ -48,13 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     cs = "*bf16" if _contract.chunk_states_dtype(dtype, "cuda") == torch.bfloat16 else "*fp32"
     K = V = args.head_dim
     signature = dict(q=x, k=x, v=x, g="*fp32", beta=x, h0="*fp32", o=x, ht="*fp32", chunk_states=cs, paths="*i32",
-                     scale="fp32", T="i32", NC="i32", H="i32", HV="i32")
+                     cu_seqlens="*i32", seq_offsets="*i64", scale="fp32", T="i32", NC="i32", NCS="i32", H="i32", HV="i32")
     over = []
     for bv in args.bv:
         for warps in args.warps:
             for stages in args.stages:
                 constexprs = dict(K=K, V=V, BT=BT, BC=BC, BK=max(16, triton.next_power_of_2(K)), BV=bv, BKA=min(args.bka, max(16, triton.next_power_of_2(K))),
-                                  MAX_SPLIT=MAX_SPLIT, HAS_H0=True, STORE_HT=True, STORE_STATES=not args.no_states,
+                                  MAX_SPLIT=MAX_SPLIT, IS_VARLEN=args.varlen, HAS_H0=True, STORE_HT=True, STORE_STATES=not args.no_states,
                                   STORE_PATHS=False, DOT_PREC="tf32" if args.dtype == "bf16" else "tf32x3",
                                   BF16_DOTS=args.dtype == "bf16", A_BF16=False, INTERPRET=False, FAST_EXP=bool(S.FAST_EXP))
                 for item in args.set:

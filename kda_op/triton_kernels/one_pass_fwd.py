@@ -44,9 +44,11 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .._contract import chunk_states_dtype, scan_operand_dtype
+from .._contract import chunk_states_dtype, scan_operand_dtype, varlen_chunk_slots, varlen_state_slots
 from ._dot import _round_to_bf16_as_fp32, as_stored, dot
-from ._host import _INTERPRET, _SERVES, _cdiv, _check_grid, _check_offsets, _dot_precision, _fast_exp, _pow2
+from ._host import (_INTERPRET, _SERVES, _cdiv, _check_grid, _check_offsets, _dot_precision, _fast_exp, _pow2,
+                    _sizes)
+from ._indexing import sequence_coords
 from ._math import exp
 from .settings import BC, BT, MAX_SPLIT
 
@@ -193,11 +195,13 @@ def _unit_lower_inverse(b_m, n, A_PREC: tl.constexpr, BT: tl.constexpr, BC: tl.c
 def kda_one_pass_fwd_kernel(
     q, k, v, g, beta, h0,
     o, ht, chunk_states, paths,
-    scale, T, NC,
+    cu_seqlens, seq_offsets,
+    scale, T, NC, NCS,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKA: tl.constexpr,
     MAX_SPLIT: tl.constexpr,
+    IS_VARLEN: tl.constexpr,
     HAS_H0: tl.constexpr, STORE_HT: tl.constexpr, STORE_STATES: tl.constexpr, STORE_PATHS: tl.constexpr,
     DOT_PREC: tl.constexpr, BF16_DOTS: tl.constexpr = False, A_BF16: tl.constexpr = False,
     INTERPRET: tl.constexpr = False, FAST_EXP: tl.constexpr = False, DIAG: tl.constexpr = 0,
@@ -208,17 +212,22 @@ def kda_one_pass_fwd_kernel(
     # h0, ht [B, HV, K, V] fp32; chunk_states [B, NC + 1, HV, K, V] (STORE_STATES: the
     # state entering each chunk, then the final one); paths [B, NC, HV] int32
     # (STORE_PATHS, for tests: the path each chunk's A's took, see the module docstring).
+    # IS_VARLEN: N sequences packed along T (B = 1; cu_seqlens [N + 1]; seq_offsets
+    # [N, 2], _host._varlen_index's): program (V block, n * HV + hv); h0, ht [N, HV, K, V];
+    # chunk_states [1, NCS, HV, K, V] in _contract.varlen_state_slots' layout with
+    # initial-state slots (sequence n's NC_n + 1 boundaries from seq_offsets[n, 1]; the
+    # slots past the last sequence's are written zero); paths [1, NC, HV] by global chunk.
     # The A's and Tm: fp32 operands at DOT_PREC (they feed the inverse). The scan and
     # output dots (Kb S, Tm R, A_qk U', Qg S, Kr^T U'): bf16 operands where BF16_DOTS.
     scale = tl.cast(scale, tl.float32)
     i_v = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
-    i_b = i_bh // HV
-    i_hv = i_bh % HV
-    i_h = i_hv // (HV // H)
+    # the sequence, its first row, length and chunk count, its first chunk's global
+    # index and the slot of the state entering it (_indexing.sequence_coords)
+    i_b, i_hv, i_h, bos, T_n, NC_n, g_0, s_0 = sequence_coords(i_bh, T, NC, H, HV, cu_seqlens, seq_offsets, BT,
+                                                               IS_VARLEN)
     # Each pointer moves to this sequence and head once, in 64-bit, and to each chunk
     # in 64-bit in the loop; offsets inside a chunk are 32-bit at any T.
-    bos = i_b * T
     q += (bos * H + i_h) * K
     k += (bos * H + i_h) * K
     v += (bos * HV + i_hv) * V
@@ -227,9 +236,9 @@ def kda_one_pass_fwd_kernel(
     beta += bos * HV + i_hv
     h0 += (i_b * HV + i_hv) * K * V
     ht += (i_b * HV + i_hv) * K * V
-    chunk_states += (i_b * (NC + 1) * HV + i_hv) * K * V
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk boundary to the next
-    paths += i_b * NC * HV + i_hv
+    chunk_states += s_0 * cs_stride + i_hv * K * V
+    paths += tl.cast(g_0, tl.int64) * HV + i_hv
 
     o_r = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
@@ -247,7 +256,7 @@ def kda_one_pass_fwd_kernel(
     else:
         b_s = tl.zeros([BK, BV], dtype=tl.float32)
 
-    for i_c in range(0, NC):
+    for i_c in range(0, NC_n):
         if STORE_STATES:
             tl.store(chunk_states + i_c * cs_stride + state_off,
                      as_stored(b_s, chunk_states, INTERPRET).to(chunk_states.dtype.element_ty), mask=m_kv)
@@ -255,7 +264,7 @@ def kda_one_pass_fwd_kernel(
         p_g = g + r0 * (HV * K)
         p_k = k + r0 * (H * K)
         p_q = q + r0 * (H * K)
-        n_rows = tl.minimum(T - i_c * BT, BT)  # its valid rows
+        n_rows = tl.minimum(T_n - i_c * BT, BT).to(tl.int32)  # its valid rows
         m_t = o_r < n_rows
         # Offsets inside the chunk from its rows clamped to the last valid one (their
         # loads are masked anyway): they depend on the chunk, so the compiler forms
@@ -350,8 +359,15 @@ def kda_one_pass_fwd_kernel(
         b_s = b_s * exp(b_glast, FAST_EXP)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
 
     if STORE_STATES:
-        tl.store(chunk_states + NC * cs_stride + state_off,
+        tl.store(chunk_states + NC_n * cs_stride + state_off,
                  as_stored(b_s, chunk_states, INTERPRET).to(chunk_states.dtype.element_ty), mask=m_kv)
+        if IS_VARLEN:
+            # the last sequence's programs write zeros in the slots past its final
+            # state (at most N of them: varlen_state_slots is an upper bound)
+            if i_b == tl.num_programs(1) // HV - 1:
+                b_zero = tl.zeros([BK, BV], dtype=chunk_states.dtype.element_ty)
+                for i_u in range(s_0 + NC_n + 1, tl.cast(NCS, tl.int64)):
+                    tl.store(chunk_states + (i_u - s_0) * cs_stride + state_off, b_zero, mask=m_kv)
     if STORE_HT:
         tl.store(ht + state_off, b_s, mask=m_kv)
 
@@ -361,7 +377,7 @@ def kda_one_pass_fwd(
     scale: Optional[float] = None, initial_state: Optional[Tensor] = None,
     output_final_state: bool = True, chunk_states: Union[None, bool, Tensor] = None,
     *, cu_seqlens: Optional[Tensor] = None, block_v: int = 32, block_k_a: int = 32, num_warps: int = 8,
-    num_stages: int = 1, a_bf16: bool = False,
+    num_stages: int = 1, a_bf16: bool = False, seq_offsets: Optional[Tensor] = None,
     paths: Optional[Tensor] = None,
 ) -> tuple[Tensor, Optional[Tensor], Optional[Tensor]]:
     """The chunked KDA forward in one launch (kda_one_pass_fwd_kernel): ``(o,
@@ -383,8 +399,6 @@ def kda_one_pass_fwd(
     path each chunk's A's took (0 split, 1 block references, 2 columns).
     Fixed-length batches only (``cu_seqlens`` must be None), K <= 128. CUDA tensors,
     or CPU tensors under TRITON_INTERPRET=1."""
-    if cu_seqlens is not None:
-        raise ValueError("cu_seqlens: packed sequences are not supported by the one-pass forward (v1)")
     for name, x, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
         if x.dim() != dims:
             raise ValueError(f"{name}: expected {dims} dimensions, got shape {tuple(x.shape)}")
@@ -408,19 +422,42 @@ def kda_one_pass_fwd(
         raise ValueError(f"block_k_a: expected 16, 32, 64 or 128, got {block_k_a!r}")
     if a_bf16 and q.dtype != torch.bfloat16:
         raise ValueError(f"a_bf16: bf16 operands for the A's are for bf16 inputs, got {q.dtype}")
-    if initial_state is not None and initial_state.shape != (B, HV, K, V):
-        raise ValueError(f"initial_state: expected shape {(B, HV, K, V)}, got {tuple(initial_state.shape)}")
-    _check_offsets(T, HV, K, V)
-    _check_grid(B, HV, T)
+    if cu_seqlens is None:
+        if seq_offsets is not None:
+            raise ValueError("seq_offsets: only with cu_seqlens")
+        _check_offsets(T, HV, K, V)
+        _check_grid(B, HV, T)
+        N, NC = B, _cdiv(T, BT)
+        NCS = NC + 1
+        cs_shape, paths_shape = (B, NCS, HV, K, V), (B, NC, HV)
+    else:
+        if B != 1:
+            raise ValueError(f"cu_seqlens: packed sequences take B = 1, got B = {B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise ValueError("cu_seqlens: expected an int32 or int64 tensor [N + 1], N >= 1")
+        cu_seqlens = cu_seqlens.contiguous()
+        N = cu_seqlens.shape[0] - 1
+        if seq_offsets is None:
+            # _sizes checks the offsets and grid and builds the index (one launch, no host sync)
+            sizes = _sizes(q, v, cu_seqlens=cu_seqlens, has_initial_state=True)
+            NC, NCS, seq_offsets = sizes["NC"], sizes["NCS"], sizes["VL_SEQ"][1]
+        else:
+            _check_offsets(T, HV, K, V)
+            _check_grid(N, HV, T + N * BT)
+            if tuple(seq_offsets.shape) != (N, 2) or seq_offsets.dtype != torch.int64:
+                raise ValueError(f"seq_offsets: expected int64 [{N}, 2] (_host._varlen_index's, with initial-state "
+                                 f"slots), got {seq_offsets.dtype} {tuple(seq_offsets.shape)}")
+            NC, NCS = varlen_chunk_slots(T, N), varlen_state_slots(T, N, True)
+        cs_shape, paths_shape = (1, NCS, HV, K, V), (1, NC, HV)
+    if initial_state is not None and initial_state.shape != (N, HV, K, V):
+        raise ValueError(f"initial_state: expected shape {(N, HV, K, V)}, got {tuple(initial_state.shape)}")
 
     q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
     scale = K ** -0.5 if scale is None else float(scale)
-    NC = _cdiv(T, BT)
     f32 = dict(device=q.device, dtype=torch.float32)
     h0 = None if initial_state is None else initial_state.contiguous().float()
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
-    ht = torch.empty(B, HV, K, V, **f32) if output_final_state else None
-    cs_shape = (B, NC + 1, HV, K, V)
+    ht = torch.empty(N, HV, K, V, **f32) if output_final_state else None
     cs_dtype = chunk_states_dtype(q.dtype, _SERVES)
     if isinstance(chunk_states, Tensor):
         if tuple(chunk_states.shape) != cs_shape or chunk_states.dtype != cs_dtype or not chunk_states.is_contiguous():
@@ -433,16 +470,17 @@ def kda_one_pass_fwd(
         cs = None
     else:
         raise ValueError(f"chunk_states: expected None, a bool or a tensor, got {type(chunk_states).__name__}")
-    if paths is not None and (tuple(paths.shape) != (B, NC, HV) or paths.dtype != torch.int32):
-        raise ValueError(f"paths: expected an int32 tensor of shape {(B, NC, HV)}")
-    if B * HV == 0:
+    if paths is not None and (tuple(paths.shape) != paths_shape or paths.dtype != torch.int32):
+        raise ValueError(f"paths: expected an int32 tensor of shape {paths_shape}")
+    if N * HV == 0:
         return o, ht, cs
     bf16_operands = scan_operand_dtype(q.dtype) == torch.bfloat16
     BK = max(16, _pow2(K))
-    kda_one_pass_fwd_kernel[(_cdiv(V, block_v), B * HV)](
+    kda_one_pass_fwd_kernel[(_cdiv(V, block_v), N * HV)](
         q, k, v, g, beta, o if h0 is None else h0,
         o, o if ht is None else ht, o if cs is None else cs, o if paths is None else paths,
-        scale, T, NC, H, HV,
+        q if cu_seqlens is None else cu_seqlens, q if seq_offsets is None else seq_offsets,
+        scale, T, NC, NCS, H, HV, IS_VARLEN=cu_seqlens is not None,
         K=K, V=V, BT=BT, BC=BC, BK=BK, BV=block_v, BKA=min(block_k_a, BK), MAX_SPLIT=MAX_SPLIT,
         HAS_H0=h0 is not None, STORE_HT=ht is not None, STORE_STATES=cs is not None, STORE_PATHS=paths is not None,
         DOT_PREC=_dot_precision(q.dtype), BF16_DOTS=bf16_operands, A_BF16=bool(a_bf16), INTERPRET=_INTERPRET, FAST_EXP=_fast_exp(),
