@@ -18,11 +18,12 @@ U' is formed as Tm (beta v - Kb S) rather than Tm (beta v) - (Tm Kb) S: the same
 in another order, one [BT, BT] x [BT, BV] dot instead of a [BT, BT] x [BT, BK] one
 (W) and no [BT, BK] W tile.
 
-Registers (sm_90a, benchmarks/one_pass_resources.py): per chunk, gam on the whole
-[BT, BK] tile gives the path and Gam; the A's are then formed over K slices of BKA
-with g, k, q loaded again per slice; Kb, Qg, Kr only where the scan takes them, from
-g, k, q loaded once more (cache hits, not DRAM). Holding the whole tiles instead
-spilled more (2.2-2.9 KB against 1.1-1.9 KB now; see ONE_PASS_STATUS.md).
+Registers (sm_90a, benchmarks/one_pass_resources.py): per chunk, the A's are formed
+over K slices of BKA in the split form, each slice's gam giving its share of the
+chunk's spread (the path); Kb, Qg, Kr and Gam only where the scan takes them, from g,
+k, q loaded once more (cache hits, not DRAM). The [64, N] dots whose results reach
+another dot go through _dot_apart, which keeps Triton from giving them all 8 warps
+along M (a replicated tile: twice the registers). See ONE_PASS_STATUS.md.
 
 The A's take one of three paths per chunk (a scalar branch on the chunk's gates):
   0 split: every row of gam within MAX_SPLIT of the middle row m: A = (X exp(gam - gam_m))
@@ -387,7 +388,17 @@ def kda_one_pass_fwd(
     hv // G); g [B, T, HV, K] log decay (read as fp32); beta [B, T, HV]; ``scale``
     (default K ** -0.5); ``initial_state`` [B, HV, K, V] or None (zeros). o is
     [B, T, HV, V] in v's dtype; final_state fp32 [B, HV, K, V], None unless
-    ``output_final_state``. ``chunk_states``: None or False, not stored (None
+    ``output_final_state``.
+
+    ``cu_seqlens`` (int32 or int64 [N + 1], B = 1): N packed sequences, fla's
+    convention; initial_state and final_state are then [N, HV, K, V] and the chunk
+    states [1, NCS, HV, K, V], NCS = T // 64 + 2 N (``_contract.varlen_state_slots``
+    WITH initial-state slots, whether or not initial states are given: sequence n's
+    NC_n + 1 boundaries from ``seq_offsets[n, 1]`` = its first chunk's global index
+    + n; the slots past the last sequence's are written zero). The index comes from
+    ``_host._sizes`` (one launch, no host sync) unless ``seq_offsets`` (int64 [N, 2],
+    ``_host._varlen_index(cu_seqlens, T, True)[1]``) is given. ``paths`` is then
+    [1, T // 64 + N, HV] by global chunk index. ``chunk_states``: None or False, not stored (None
     returned); True, a fresh [B, NC + 1, HV, K, V] tensor (NC = ceil(T / 64)) of
     ``_contract.chunk_states_dtype`` (bf16 for bf16 inputs, as the CUDA forward keeps
     them) holding the state entering each chunk, then the final one; a tensor of that
@@ -397,7 +408,7 @@ def kda_one_pass_fwd(
     (16, 32, 64 or 128) the K slices over which the A's are formed (at most the K
     block); ``num_warps``, ``num_stages``. ``paths``: for tests, an int32 [B, NC, HV] tensor that receives the
     path each chunk's A's took (0 split, 1 block references, 2 columns).
-    Fixed-length batches only (``cu_seqlens`` must be None), K <= 128. CUDA tensors,
+    K <= 128. CUDA tensors,
     or CPU tensors under TRITON_INTERPRET=1."""
     for name, x, dims in (("q", q, 4), ("k", k, 4), ("v", v, 4), ("g", g, 4), ("beta", beta, 3)):
         if x.dim() != dims:
