@@ -13,7 +13,7 @@ import torch
 from inputs import make_inputs
 from kda_op import CHUNK_SIZE
 from kda_op._contract import chunk_states_dtype
-from kda_op.reference import kda_forward_reference
+from kda_op.reference import kda_forward_reference, kda_forward_reference_varlen
 
 triton = pytest.importorskip("triton")
 from kda_op.triton_kernels import kda_fwd_triton  # noqa: E402
@@ -190,8 +190,13 @@ def test_one_pass_explicit_scale():
 
 def test_one_pass_refuses_what_it_does_not_serve():
     args, h0, _ = _problem(1, 8, 1, 1, 16, 16, True, seed=1)
-    with pytest.raises(ValueError, match="cu_seqlens"):
-        kda_one_pass_fwd(*args, None, h0, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32))
+    args2, h02, _ = _problem(2, 8, 1, 1, 16, 16, True, seed=1)
+    with pytest.raises(ValueError, match="cu_seqlens"):  # packed sequences take B = 1
+        kda_one_pass_fwd(*args2, None, h02, cu_seqlens=torch.tensor([0, 8], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="initial_state"):  # one state per sequence: [N, HV, K, V]
+        kda_one_pass_fwd(*args, None, h0, cu_seqlens=torch.tensor([0, 3, 8], dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="a_bf16"):
+        kda_one_pass_fwd(*args, None, h0, a_bf16=True)
     with pytest.raises(ValueError, match="block_v"):
         kda_one_pass_fwd(*args, None, h0, block_v=48)
     big = make_inputs(B=1, T=4, H=1, K=256, V=16, dtype=torch.float32, seed=2)
@@ -201,3 +206,73 @@ def test_one_pass_refuses_what_it_does_not_serve():
         kda_one_pass_fwd(*args, None, h0[:, :, :8])
     with pytest.raises(ValueError, match="chunk_states"):
         kda_one_pass_fwd(*args, None, h0, chunk_states=torch.empty(1, 1, 1, 16, 16))
+
+
+def _varlen_problem(lengths, G, K, V, with_h0, seed, idx_dtype=torch.int32, steep=None):
+    """Packed sequences (B = 1): fresh fp32 inputs, cu_seqlens, per-sequence initial
+    states (or None) and the fp64 reference. The reference and the six-launch forward
+    lay the chunk states out with initial-state slots only when given initial states;
+    the one-pass forward always does, so without them both are run on zero states
+    (the same sums) to get that layout."""
+    T = sum(lengths)
+    x = make_inputs(B=1, T=T, H=1, G=G, K=K, V=V, dtype=torch.float64, with_initial_state=False, seed=seed)
+    g = x["g"].float()
+    if steep is not None:
+        steep(g)
+    args = [g if n == "g" else x[n].float() for n in NAMES]
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=idx_dtype)
+    gen = torch.Generator().manual_seed(seed + 1)
+    h0 = torch.randn(len(lengths), G, K, V, generator=gen) if with_h0 else None
+    h0_ref = h0 if with_h0 else torch.zeros(len(lengths), G, K, V)
+    ref = kda_forward_reference_varlen(*[a.double() for a in args], None, h0_ref.double(), cu)
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    return [a.to(DEVICE) for a in args], to(cu), to(h0), to(h0_ref), ref
+
+
+@pytest.mark.parametrize("with_h0,idx_dtype", [(True, torch.int32), (False, torch.int64)])
+def test_one_pass_packed_sequences_match_reference_and_the_six_launch_forward(with_h0, idx_dtype):
+    # sequences of 1 token, just under, just over and over two chunks; GVA G = 2;
+    # K, V not powers of two; V in two blocks of 16
+    lengths = [1, 63, 65, 130]
+    args, cu, h0, h0_ref, (o_ref, ht_ref, cs_ref) = _varlen_problem(lengths, 2, 24, 20, with_h0, seed=21,
+                                                                     idx_dtype=idx_dtype)
+    NCS = sum(lengths) // CHUNK_SIZE + 2 * len(lengths)
+    assert cs_ref.shape == (1, NCS, 2, 24, 20)
+    # NaN everywhere first: every slot, the unused one past the last sequence included
+    # (written zero), must be written by the kernel
+    buf = torch.full((1, NCS, 2, 24, 20), float("nan"), device=DEVICE)
+    NCB = sum(lengths) // CHUNK_SIZE + len(lengths)
+    paths = torch.full((1, NCB, 2), -1, dtype=torch.int32, device=DEVICE)
+    o, ht, cs = kda_one_pass_fwd(*args, None, h0, True, buf, cu_seqlens=cu, block_v=16, paths=paths)
+    assert cs is buf and ht.shape == (len(lengths), 2, 24, 20)
+    # every real chunk (7 of them, numbered globally) recorded path 0; the spare slot untouched
+    assert (paths[0, :7] == 0).all() and (paths[0, 7:] == -1).all()
+    for name, got, want in (("o", o, o_ref), ("final_state", ht, ht_ref), ("chunk_states", cs, cs_ref)):
+        _close(got, want, name)
+    o6, ht6, cs6, _ = kda_fwd_triton(*args, None, h0_ref, cu_seqlens=cu)
+    for name, got, want in (("o", o, o6), ("final_state", ht, ht6), ("chunk_states", cs, cs6)):
+        _close(got, want, name + " vs kda_fwd_triton")
+    assert (cs[:, -1] == 0).all()
+
+
+def test_one_pass_packed_steep_chunk_and_given_index():
+    """A steep chunk inside a packed sequence takes the column path at its global chunk
+    index; passing _host._varlen_index's seq_offsets gives the same bits as letting
+    the host build them."""
+    from kda_op.triton_kernels._host import _varlen_index
+
+    lengths = [70, 2 * CHUNK_SIZE + 5]
+
+    def steep(g):  # the second sequence's second chunk (global chunk 3) falls by 9 per token
+        g[:, 70 + CHUNK_SIZE:70 + 2 * CHUNK_SIZE] -= 9.0
+
+    args, cu, h0, _, (o_ref, ht_ref, cs_ref) = _varlen_problem(lengths, 1, 16, 16, True, seed=4, steep=steep)
+    NCB = sum(lengths) // CHUNK_SIZE + len(lengths)
+    paths = torch.full((1, NCB, 1), -1, dtype=torch.int32, device=DEVICE)
+    o, ht, cs = kda_one_pass_fwd(*args, None, h0, True, True, cu_seqlens=cu, block_v=16, paths=paths)
+    assert paths[0, :5, 0].tolist() == [0, 0, 0, 2, 0]
+    for name, got, want in (("o", o, o_ref), ("final_state", ht, ht_ref), ("chunk_states", cs, cs_ref)):
+        _close(got, want, name)
+    _, seq_offsets, _, _, _ = _varlen_index(cu, sum(lengths), True)
+    o2, ht2, cs2 = kda_one_pass_fwd(*args, None, h0, True, True, cu_seqlens=cu, block_v=16, seq_offsets=seq_offsets)
+    assert torch.equal(o, o2) and torch.equal(ht, ht2) and torch.equal(cs, cs2)
