@@ -23,7 +23,7 @@ over K slices of BKA in the split form, each slice's gam giving its share of the
 chunk's spread (the path); Kb, Qg, Kr and Gam only where the scan takes them, from g,
 k, q loaded once more (cache hits, not DRAM). The [64, N] dots whose results reach
 another dot go through _dot_apart, which keeps Triton from giving them all 8 warps
-along M (a replicated tile: twice the registers). See ONE_PASS_STATUS.md.
+along M (a replicated tile: twice the registers). See benchmarks/ONE_PASS_STATUS.md.
 
 The A's take one of three paths per chunk (a scalar branch on the chunk's gates):
   0 split: every row of gam within MAX_SPLIT of the middle row m: A = (X exp(gam - gam_m))
