@@ -52,7 +52,7 @@ def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_kernels_fit_with_the_scans_loads_ahead_and_v_blocks_of_16(head_dim):
     """bf16 inputs with the scans' loads a chunk ahead and under a row mask (settings
-    SCAN_GLAST_AHEAD, SCAN_AQK_ROW_MASK; off by default) and the backward scan's V block of
+    SCAN_GLAST_AHEAD, SCAN_AQK_ROW_MASK; on by default) and the backward scan's V block of
     16 (BV_SCAN_BWD_MIN; 32 by default: four warps at K = 128, eight at 256), at one
     sequence and head."""
     _check_shared("bf16", head_dim, None, "--set", "SCAN_GLAST_AHEAD=1", "SCAN_AQK_ROW_MASK=1", "BV_SCAN_BWD_MIN=16")
@@ -60,7 +60,7 @@ def test_kernels_fit_with_the_scans_loads_ahead_and_v_blocks_of_16(head_dim):
 
 @pytest.mark.parametrize("varlen", [False, True])
 def test_the_scan_writing_the_output_fits(varlen):
-    """settings.FUSED_OUTPUT (off by default): the forward scan that writes the output,
+    """settings.FUSED_OUTPUT (on by default): the forward scan that writes the output,
     as a forward that keeps its intermediates and one that keeps nothing launch it (bf16,
     K = V = 128, at its V-block floor of 64), for fixed-length and packed sequences."""
     out = _resources("bf16", 128, None, "--only", "state_output", "--set", "FUSED_OUTPUT=1",

@@ -100,6 +100,7 @@ def test_triton_forward_without_grad_keeps_no_chunk_states(monkeypatch):
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 16)  # the fused scan at these tiny shapes
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)  # ... and few programs
     B, T, HV, K, V = 2, 3 * 64 - 20, 2, 32, 32
     inputs = make_inputs(B=B, T=T, H=1, G=HV, K=K, V=V, dtype=torch.float32, seed=11)
     args = [inputs[n].to(device=device, dtype=torch.float32 if n == "g" else torch.bfloat16)

@@ -599,6 +599,7 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
     monkeypatch.setattr(settings, "BV_SCAN", 32)  # the scan's V block = the output's
     monkeypatch.setattr(settings, "BV_OUTPUT", 32)
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)  # at these few programs
     launches = []
     for name in ("kda_state_output_fwd_kernel", "kda_output_fwd_kernel", "kda_state_fwd_kernel"):
         _on_launch(monkeypatch, fwd, name, lambda kw, name=name: launches.append(name))
@@ -650,7 +651,13 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
         assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
         assert torch.equal(pools[1][1], pool[1]) and not torch.equal(pools[1][5], pool[5])
         assert outs[1][:, 20:150].abs().max() == 0 and outs[1][:, :20].abs().max() > 0
-    # below the V-block floor, and on fp32 inputs (fp32 operands): the scan, then the output kernel
+    # at no more programs than one an SM (132 SMs in CPU runs), below the V-block floor, and
+    # on fp32 inputs (fp32 operands): the scan, then the output kernel
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 1)
+    launches.clear()
+    kda_fwd_triton(*args, keep, cu_seqlens=cu_d)
+    assert launches == unfused_launches, launches
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 64)
     launches.clear()
     kda_fwd_triton(*args, keep, cu_seqlens=cu_d)

@@ -299,10 +299,16 @@ def _fuses_output(s: dict, x: dict) -> bool:
     its programs fill the device (where they are few, the output's dots would lengthen
     each chunk's step of a latency-bound scan), and on bf16 operands (bf16 inputs) with
     K <= 128, what it was built for: on fp32 operands it spills 0.6-7 KB (sm_90a, TF32
-    dots), and at K = 256 with fp16 inputs it needs more shared memory than the H200 has."""
+    dots), and at K = 256 with fp16 inputs it needs more shared memory than the H200 has.
+    And where its programs outnumber FUSED_OUTPUT_MIN_PROGRAMS_PER_SM an SM: at one an SM
+    the fused step, longer than the scan's, sets the time (timed, settings.py). A sequence
+    count that stays symbolic (the export op) counts as one, as for the V block: no guard."""
     if S.FUSED_OUTPUT not in (0, 1):
         raise ValueError(f"settings.FUSED_OUTPUT: expected 0 or 1, got {S.FUSED_OUTPUT!r}")
+    nseq = s["NSEQ"] if isinstance(s["NSEQ"], int) else 1
+    programs = nseq * s["HV"] * _cdiv(s["V"], s["BV_SCAN_FWD"])
     return (bool(S.FUSED_OUTPUT) and s["BV_SCAN_FWD"] >= S.FUSED_OUTPUT_MIN_BV
+            and programs > S.FUSED_OUTPUT_MIN_PROGRAMS_PER_SM * _sm_count(x["w"].device)
             and x["w"].dtype == torch.bfloat16 and s["BK"] <= 128)
 
 

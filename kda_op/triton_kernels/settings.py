@@ -408,8 +408,12 @@ SCAN_BWD_WARPS_BV16 = 4
 # (2026-12-05): a third of the warps' stall cycles wait on such loads. Built 2026-12-05
 # after the session's device time (the interpreter's tests: the same values): 0 until timed
 # (an earlier prefetch of the backward scan's tiles faulted on the H200, SCAN_BWD_PREFETCH).
-SCAN_GLAST_AHEAD = 0
-SCAN_AQK_ROW_MASK = 0
+# On the H200 (2026-12-05, thirtieth session, ours alone, two rounds, bench_chunk_kda.py
+# --kernels), both on: kda_state_bwd_fused 1.822 -> (B1-T32768-H16) and 1.270 -> 0.889 ms
+# (B8-T8192-H16), 0.630 -> 0.457 (B2-T8192-H8-HV32); forward+backward 7.703 -> 6.993 ms,
+# 11.959 -> 11.557, 6.198 -> 6.009; forward 1.943 -> 1.802 at B1-T32768-H16: on.
+SCAN_GLAST_AHEAD = 1
+SCAN_AQK_ROW_MASK = 1
 # The forward scan alone (None: as above): its warps, stages (bf16 operands and
 # BK <= 128 only; see _sizes) and V block (before the doubling to one wave); and
 # how many of its programs one SM runs at once, for the V block's choice (a wave =
@@ -513,8 +517,16 @@ OUTPUT_WARPS = 4
 # the scan at B1-T8192-H16 (V block 16, the scan latency bound) took the scan 0.35 -> 0.67 ms
 # for the output's 0.07: hence the V-block floor. Built 2026-12-05 without a device
 # (interpreter tests; compiled for sm_90a): 0 until timed.
-FUSED_OUTPUT = 0
+# On the H200 (2026-12-05, thirtieth session, ours alone, two rounds): B8-T8192-H16 forward
+# 2.909 -> 2.639 ms (the fused scan 0.709 ms against the scan's 0.613 and the output's 0.354),
+# forward+backward 11.959 -> 11.940; but B2-T8192-H8-HV32 forward 1.448 -> 1.519 (0.563 against
+# 0.306 + 0.184), where the scan's 128 programs (V block 64) are one an SM: the fused chunk
+# step, longer, is then on the critical path with nothing beside it. Hence on where the
+# programs outnumber FUSED_OUTPUT_MIN_PROGRAMS_PER_SM an SM (strictly; B8's 256 at V block 64,
+# two CTAs an SM), as well as the V-block floor.
+FUSED_OUTPUT = 1
 FUSED_OUTPUT_MIN_BV = 64
+FUSED_OUTPUT_MIN_PROGRAMS_PER_SM = 1
 # On bf16 operands with K <= 128 only (fwd._fuses_output). Its warps (None: the forward
 # scan's) and pipeline stages. Compiled for sm_90a (Triton 3.6, bf16, K = V = 128, V block
 # 64): four warps at one stage take 255 registers and 72 KB of shared memory, so two CTAs an
@@ -530,8 +542,12 @@ FUSED_OUTPUT_STAGES = 1
 # bf16 inputs with K <= 128 and g given (no in-kernel gate), where its programs fill the
 # device: B * HV * (V / ONE_PASS_BV) >= ONE_PASS_MIN_PROGRAMS_PER_SM programs an SM (each
 # walks a whole sequence, so fewer would leave SMs idle). Built 2026-12-05 without a
-# device (interpreter tests; sm_90a compiles with Triton 3.6: 255 registers and 1.1-1.9 KB
-# of spills): 0 until timed. ONE_PASS_BV: its V block (each V block forms the chunk's A's
+# device (interpreter tests; sm_90a compiles with Triton 3.6: 255 registers and 0.6-1.6 KB
+# of spills). Timed on the H200 the same day (its first version, standard inputs, no grad):
+# B8-T8192-H16 24.5 ms at V block 32 and eight warps against the six launches' 2.91 (8.4x
+# slower; o within 3.3e-3 of theirs), and an illegal memory access at V block 32 with four
+# warps (cause not established; the other configurations were not reached): off, a
+# prototype to profile (benchmarks/ONE_PASS_STATUS.md). ONE_PASS_BV: its V block (each V block forms the chunk's A's
 # and Tm again); ONE_PASS_BKA: the K slices of the A's; its warps and stages.
 ONE_PASS_FWD = 0
 ONE_PASS_BV = 32
