@@ -49,7 +49,7 @@ from .._contract import chunk_states_dtype, scan_operand_dtype, varlen_chunk_slo
 from ._dot import _round_to_bf16_as_fp32, as_stored, dot
 from ._host import (_INTERPRET, _SERVES, _cdiv, _check_grid, _check_offsets, _dot_precision, _fast_exp, _pow2,
                     _sizes)
-from ._indexing import sequence_coords
+from ._indexing import scan_ends, sequence_coords, state_tile
 from ._math import exp
 from .settings import BC, BT, MAX_SPLIT
 
@@ -235,27 +235,19 @@ def kda_one_pass_fwd_kernel(
     o += (bos * HV + i_hv) * V
     g += (bos * HV + i_hv) * K
     beta += bos * HV + i_hv
-    h0 += (i_b * HV + i_hv) * K * V
-    ht += (i_b * HV + i_hv) * K * V
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk boundary to the next
     chunk_states += s_0 * cs_stride + i_hv * K * V
     paths += tl.cast(g_0, tl.int64) * HV + i_hv
 
     o_r = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    state_off = o_k[:, None] * V + o_v[None, :]
+    o_k, m_k, o_v, m_v, m_kv, state_off = state_tile(i_v, K, V, BK, BV)
     o_a = tl.arange(0, BKA)  # a K slice's columns, from its first
     lower = o_r[:, None] > o_r[None, :]
     causal = o_r[:, None] >= o_r[None, :]
 
-    if HAS_H0:
-        b_s = tl.load(h0 + state_off, mask=m_kv, other=0.0).to(tl.float32)
-    else:
-        b_s = tl.zeros([BK, BV], dtype=tl.float32)
+    # S from h0's tile (or zeros), ht at this sequence's final state (no pool: ht stands in for the slots)
+    b_s, ht, ends_off, m_ends, _ = scan_ends(h0, ht, ht, i_b, i_hv, HV, o_k, o_v, m_kv, K, V, BK, BV, HAS_H0,
+                                             False, False)
 
     for i_c in range(0, NC_n):
         if STORE_STATES:
@@ -370,7 +362,7 @@ def kda_one_pass_fwd_kernel(
                 for i_u in range(s_0 + NC_n + 1, tl.cast(NCS, tl.int64)):
                     tl.store(chunk_states + (i_u - s_0) * cs_stride + state_off, b_zero, mask=m_kv)
     if STORE_HT:
-        tl.store(ht + state_off, b_s, mask=m_kv)
+        tl.store(ht + ends_off, b_s, mask=m_ends)
 
 
 def kda_one_pass_fwd(

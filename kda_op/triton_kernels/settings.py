@@ -409,7 +409,7 @@ SCAN_BWD_WARPS_BV16 = 4
 # after the session's device time (the interpreter's tests: the same values): 0 until timed
 # (an earlier prefetch of the backward scan's tiles faulted on the H200, SCAN_BWD_PREFETCH).
 # On the H200 (2026-12-05, thirtieth session, ours alone, two rounds, bench_chunk_kda.py
-# --kernels), both on: kda_state_bwd_fused 1.822 -> (B1-T32768-H16) and 1.270 -> 0.889 ms
+# --kernels), both on: kda_state_bwd_fused 1.822 -> 1.247 ms (B1-T32768-H16) and 1.270 -> 0.889 ms
 # (B8-T8192-H16), 0.630 -> 0.457 (B2-T8192-H8-HV32); forward+backward 7.703 -> 6.993 ms,
 # 11.959 -> 11.557, 6.198 -> 6.009; forward 1.943 -> 1.802 at B1-T32768-H16: on.
 SCAN_GLAST_AHEAD = 1
