@@ -24,7 +24,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kda_op.triton_kernels import diag_inv, gam_fwd, intra_a_fwd, intra_a_fwd_rows, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, state_output_fwd, varlen_index
+from kda_op.triton_kernels import diag_inv, gam_fwd, intra_a_fwd, intra_a_fwd_rows, intra_fused_fwd, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, state_output_fwd, varlen_index
 from kda_op import _contract
 from kda_op._compat import cuobjdump_path, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
@@ -48,6 +48,8 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.INTRA_A_FWD_MAXNREG
     if fn.__name__ == "kda_recurrent_fwd_kernel" and S.RECURRENT_MAXNREG:
         options["maxnreg"] = S.RECURRENT_MAXNREG
+    if fn.__name__ == "kda_intra_fused_fwd_kernel" and S.INTRA_FUSED_MAXNREG:
+        options["maxnreg"] = S.INTRA_FUSED_MAXNREG
     if fn.__name__ == "kda_intra_a_fwd_rows_kernel" and S.INTRA_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_A_ROWS_MAXNREG
     if fn.__name__ == "kda_intra_wu_fwd_kernel" and S.INTRA_WU_FWD_MAXNREG and num_warps == S.INTRA_WU_FWD_WARPS_BF16:
@@ -228,6 +230,21 @@ def main(argv: list[str] | None = None) -> int:
                 BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
            S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
+        # the intra-chunk stage in one launch (settings.INTRA_FUSED_FWD), and intra_wu_fwd's
+        # launch for the steep chunks that it leaves (ONLY_STEEP)
+        (intra_fused_fwd.kda_intra_fused_fwd_kernel,
+         dict(**vl_chunk, q=x, k=x, v=x, g=f32, beta=x, gam=f32, aqk=aq, steep="*i32", qg=op, kr=op, w=op, u=res,
+              scale=scale_type, **ints),
+         dict(common, **varlen, BC=BC, BKA=S.INTRA_FUSED_BKA, BK=S.INTRA_FUSED_BK, BV=S.INTRA_FUSED_BV,
+              DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, FAST_EXP=bool(S.FAST_EXP),
+              DIAG_INV_METHOD=S.INTRA_FUSED_DIAG_INV if args.dtype != "fp32" else 0,
+              BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
+         S.INTRA_FUSED_WARPS, S.INTRA_FUSED_STAGES),
+        (intra_wu_fwd.kda_intra_wu_fwd_kernel,
+         dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, dinv=f32, w=op, u=res, tm=f32, steep="*i32", **ints),
+         dict(common, **varlen, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=False,
+              DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS, FAST_EXP=bool(S.FAST_EXP), DINV_IN=False, ONLY_STEEP=True,
+              BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"), 4, 3),
         (state_fwd.kda_state_fwd_kernel,
          dict(**vl_seq, kr=op, w=op, u=res, gam=f32, h0=f32, up=res, chunk_states=cs, ht=f32, **ints, slots="*i64"),
          dict(common, **varlen, BK=s["BK"], BV=s["BV_SCAN_FWD"], HAS_H0=True, DOT_PREC=prec,

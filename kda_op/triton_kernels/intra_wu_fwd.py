@@ -29,7 +29,7 @@ def kda_intra_wu_fwd_kernel(
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
     PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True, DINV_IN: tl.constexpr = False,
-    FAST_EXP: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False, steep=None, ONLY_STEEP: tl.constexpr = False,
 ):
     # FAST_EXP: _math.exp without subnormals.
     # TILE / SKIP_TILED / PICK_TILE: as in intra_a_fwd.py (the chunks of at most TILE
@@ -41,6 +41,9 @@ def kda_intra_wu_fwd_kernel(
     # diag_inv.py (``dinv`` [B, T, HV, BC]) instead of this kernel's forward substitution.
     # BF16_DOTS (bf16 inputs): W and U from Tm and their right-hand sides rounded to
     # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
+    # ONLY_STEEP (after intra_fused_fwd.py, settings.INTRA_FUSED_FWD): only the chunks
+    # whose steep flag (``steep`` [B * NC or NCB, HV]) is 2, which that kernel left to
+    # the steep launch and this one; the others return after reading their flag.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
@@ -50,6 +53,9 @@ def kda_intra_wu_fwd_kernel(
         if left_to_the_other_launch(T, TILE, SKIP_TILED):
             return
     tl.static_assert((TILE == 0 and PICK_TILE == 0) or IS_VARLEN, "tiles of TILE rows: packed sequences")
+    if ONLY_STEEP:
+        if tl.load(steep + g_c * HV + i_hv) != 2:
+            return
     # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
     # first row); offsets inside the chunk are 32-bit at any T.
     k += (bos * H + i_h) * K
@@ -101,7 +107,6 @@ def _wu_chunk(
                   mask=m_t[:, None] & (o_r[:, None] > o_r[None, :]), other=0.0)
     b_m = b_beta[:, None] * b_a
     NB: tl.constexpr = R // BC
-    tl.static_assert(NB == 4 or NB == 2, "(I + P)^-1 = (I - P)(I + P^2) needs 4 sub-blocks (I - P: 2)")
     if DINV_IN:
         # the diagonal blocks' inverses from diag_inv.py; rows past T: rows of I
         same = (o_r[:, None] // BC) == (o_r[None, :] // BC)
@@ -128,14 +133,7 @@ def _wu_chunk(
             b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
             b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
         b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
-    b_n = tl.where(o_r[:, None] // BC > o_r[None, :] // BC, b_m, 0.0)
-    b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-    b_p = tl.dot(b_dinv, b_n, input_precision=DOT_PREC)
-    if NB == 4:
-        b_p2 = tl.dot(b_p, b_p, input_precision=DOT_PREC)
-        b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
-    else:
-        b_tm = tl.dot(b_eye - b_p, b_dinv, input_precision=DOT_PREC)
+    b_tm = tm_from_block_inverses(b_m, b_dinv, R, BC, DOT_PREC)
     if STORE_TM:
         tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], b_tm, mask=m_t[:, None])
         if R < BT:  # the columns past the tile: zero
@@ -167,3 +165,23 @@ def _wu_chunk(
         b_v = tl.load(v + p_v, mask=m_t[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         b_u = dot(b_tm, b_beta[:, None] * b_v, BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(u + p_v, as_stored(b_u, u, INTERPRET), mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit
+def tm_from_block_inverses(b_m, b_dinv, R: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Tm = (I + M)^-1 [R, R] from M (strictly lower) and ``b_dinv``, the inverses of
+    I + D for M's BC x BC diagonal blocks D (zero off them): I + M = (I + D)(I + P)
+    with P = (I + D)^-1 N, N the rest of M, strictly block-lower, so P^NB = 0 and
+    (I + P)^-1 = (I - P)(I + P^2) for NB = 4 blocks (I - P for 2)."""
+    NB: tl.constexpr = R // BC
+    tl.static_assert(NB == 4 or NB == 2, "(I + P)^-1 = (I - P)(I + P^2) needs 4 sub-blocks (I - P: 2)")
+    o_r = tl.arange(0, R)
+    b_n = tl.where(o_r[:, None] // BC > o_r[None, :] // BC, b_m, 0.0)
+    b_eye = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    b_p = tl.dot(b_dinv, b_n, input_precision=DOT_PREC)
+    if NB == 4:
+        b_p2 = tl.dot(b_p, b_p, input_precision=DOT_PREC)
+        b_tm = tl.dot(tl.dot(b_eye - b_p, b_eye + b_p2, input_precision=DOT_PREC), b_dinv, input_precision=DOT_PREC)
+    else:
+        b_tm = tl.dot(b_eye - b_p, b_dinv, input_precision=DOT_PREC)
+    return b_tm

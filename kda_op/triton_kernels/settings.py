@@ -555,6 +555,30 @@ ONE_PASS_BKA = 32
 ONE_PASS_WARPS = 8
 ONE_PASS_STAGES = 1
 ONE_PASS_MIN_PROGRAMS_PER_SM = 1
+# The forward's intra-chunk stage in one launch (intra_fused_fwd.py: gam, the A's, Tm, W,
+# U, Qg and Kr of a chunk in one program; A_kk, gam and the diagonal inverses stay on
+# chip) instead of four (gam_fwd, intra_a_fwd, diag_inv, intra_wu_fwd) (1), or not (0).
+# Where the forward keeps no intermediates and g is given (no in-kernel gate: fla's gate
+# makes most chunks take block references, which this kernel leaves to the steep
+# launch), not on short packed sequences (their tiles). Steep chunks (gam straying past
+# MAX_SPLIT from the middle row) go to the steep launch and intra_wu_fwd's ONLY_STEEP
+# launch. At B8-T8192-H16 (bf16, K = V = 128) the four launches took 1.92 of a 2.64 ms
+# forward (H200, 2026-12-05) moving about 5.3 KB a token and head; this one moves 2.4.
+# Built 2026-12-05 (thirty-first session), interpreter-tested; off until timed.
+# INTRA_FUSED_DIAG_INV: the diagonal blocks' inverses by forward substitution (0) or by
+# the product (I - D)(I + D^2)(I + D^4)(I + D^8) in batched fp32 dots (1), for 16-bit
+# inputs only: with nearly parallel keys its terms (up to C(15, 8) = 6435) cancel, and
+# fp32 inputs' o then strays 2e-4 from the fp64 reference against 3e-6 by substitution
+# (interpreter, 2026-12-05); bf16 inputs round far coarser.
+# INTRA_FUSED_BKA / BK / BV: the K slices of the A's and of W, the V blocks of U.
+INTRA_FUSED_FWD = 0
+INTRA_FUSED_DIAG_INV = 0
+INTRA_FUSED_BKA = 32
+INTRA_FUSED_BK = 32
+INTRA_FUSED_BV = 32
+INTRA_FUSED_WARPS = 4
+INTRA_FUSED_STAGES = 1
+INTRA_FUSED_MAXNREG = None
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
 GVA_ROWS = 32
 # Where each key head has one value head (G = 1: nothing to sum), the backward through the

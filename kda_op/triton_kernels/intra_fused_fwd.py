@@ -1,0 +1,189 @@
+"""Stage 1 of the forward in one launch (settings.INTRA_FUSED_FWD): gam, the A's,
+Tm, W and U of each chunk without A_kk, gam or the diagonal inverses passing
+through memory.
+
+The default forward forms them in four launches (gam_fwd.py, intra_a_fwd.py,
+diag_inv.py, intra_wu_fwd.py) that hand over gam (fp32), A_kk (fp32) and the
+diagonal blocks' inverses through memory and read K twice: at K = V = 128, bf16,
+about 5.3 KB a token and head. Here one program per (chunk, batch * value head)
+reads g, Q, K, V and beta and writes what the scan and the output read (A_qk, Qg,
+Kr, W, U, and gam's last row of the chunk, the scan's decay): about 2.4 KB.
+
+  pass 1, over K slices of BKA: gam = cumsum(g) in fp32, Qg and Kr stored, how far
+          gam strays from the chunk's middle row, and both A's split at that row
+          (intra_a_fwd.py's _split_a_dots; kept entries exact, the ones above the
+          diagonal may overflow and are dropped);
+  then    A_qk stored; Tm = (I + diag(beta) A_kk)^-1 from the A_kk held here
+          (the diagonal blocks' inverses by DIAG_INV_METHOD, then
+          intra_wu_fwd.tm_from_block_inverses);
+  pass 2, over K slices of BK: gam again from g (a cumsum of what pass 1 read, in
+          cache), W = Tm diag(beta) (K exp(gam)); over V blocks of BV, U = Tm
+          diag(beta) V.
+
+A chunk whose gam strays more than MAX_SPLIT from its middle row (steep flag 2)
+stores its whole gam instead and leaves its A's to intra_a_fwd.py's steep launch
+and its Tm, W and U to intra_wu_fwd.py's ONLY_STEEP launch, which the host runs
+after this one (fwd._intra_fwd). Nothing of the backward's kept intermediates is
+formed here (no Tm, no A_kk): the host uses it where nothing is kept.
+
+DIAG_INV_METHOD, the inverses of I + D for the four 16 x 16 diagonal blocks D of
+M = diag(beta) A_kk, held in registers as [NB, BC, BC]:
+  0  forward substitution, BC - 1 dependent steps, each row cut out by a reduction
+     (intra_wu_fwd.py's way without its row loads, which read A_kk from memory);
+  1  the product (I - D)(I + D^2)(I + D^4)(I + D^8), exact for a strictly lower
+     16 x 16 D (D^16 = 0): six batched [NB, BC, BC] dots in fp32 (ieee), no
+     dependent row steps.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from ._dot import as_stored, dot
+from ._indexing import chunk_coords, chunk_in_sequence
+from ._math import exp
+from .intra_a_fwd import _split_a_dots
+from .intra_wu_fwd import tm_from_block_inverses
+
+
+@triton.jit
+def _diag_block_inverses(b_m, R: tl.constexpr, BC: tl.constexpr, METHOD: tl.constexpr):
+    """[R, R]: the inverses of I + D for the BC x BC diagonal blocks D of ``b_m``
+    (strictly lower), zero off those blocks. METHOD as in the module docstring."""
+    NB: tl.constexpr = R // BC
+    o_b = tl.arange(0, NB)
+    o_c = tl.arange(0, BC)
+    same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
+    b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
+    b_eye = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    if METHOD == 1:
+        b_x = b_eye - b_d
+        b_dp = tl.dot(b_d, b_d, input_precision="ieee")  # D^2
+        b_x = tl.dot(b_x, b_eye + b_dp, input_precision="ieee")
+        b_dp = tl.dot(b_dp, b_dp, input_precision="ieee")  # D^4
+        b_x = tl.dot(b_x, b_eye + b_dp, input_precision="ieee")
+        b_dp = tl.dot(b_dp, b_dp, input_precision="ieee")  # D^8
+        b_x = tl.dot(b_x, b_eye + b_dp, input_precision="ieee")
+    else:
+        b_x = b_eye
+        for i in range(1, BC):
+            row = (o_c == i)
+            b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
+            b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
+            b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
+    return tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
+
+
+@triton.jit
+def kda_intra_fused_fwd_kernel(
+    q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u,
+    cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
+    scale, T, NC,
+    H, HV,  # runtime: one compiled kernel serves every head count
+    K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr,
+    BKA: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, DIAG_INV_METHOD: tl.constexpr = 0,
+    BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False, IS_VARLEN: tl.constexpr = False,
+    QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True, W_FIRST: tl.constexpr = True,
+    FAST_EXP: tl.constexpr = False,
+):
+    # QG_FIRST / KR_LAST / W_FIRST: as intra_a_fwd.py's and intra_wu_fwd.py's (a forward
+    # that keeps nothing leaves unwritten what nothing reads).
+    # scale in fp32 whatever the caller's scalar type (inductor passes a Python float as fp64).
+    scale = tl.cast(scale, tl.float32)
+    i_c = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
+    steep += g_c * HV + i_hv
+    if IS_VARLEN:
+        if T <= 0:  # an unused chunk slot: its flag, read by the launches after, is 0
+            tl.store(steep, 0)
+            return
+    # Each pointer moves to this chunk and head once, in 64-bit (bos: the chunk's
+    # first row); offsets inside the chunk are 32-bit at any T.
+    q += (bos * H + i_h) * K
+    k += (bos * H + i_h) * K
+    g += (bos * HV + i_hv) * K
+    gam += (bos * HV + i_hv) * K
+    qg += (bos * HV + i_hv) * K
+    kr += (bos * HV + i_hv) * K
+    w += (bos * HV + i_hv) * K
+    aqk += (bos * HV + i_hv) * BT
+    v += (bos * HV + i_hv) * V
+    u += (bos * HV + i_hv) * V
+    beta += bos * HV + i_hv
+    later = chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0  # not the sequence's first chunk
+    store_qg = later | QG_FIRST
+    store_kr = (T > BT) | KR_LAST
+    store_w = later | W_FIRST
+
+    o_r = tl.arange(0, BT)
+    m_t = o_r < T
+    is_last = (o_r == BT - 1)[:, None]
+    is_mid = (o_r == BT // 2)[:, None]
+    last_row = tl.minimum(T, BT) - 1  # the row of gam the scan reads: the chunk's last
+
+    # pass 1 over K slices (columns are independent): rows past the end load g = 0,
+    # so they repeat the last row's gam (_indexing.gam_row's value)
+    b_spread = tl.zeros([BT, BKA], dtype=tl.float32)
+    b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_s in range(tl.cdiv(K, BKA)):
+        o_k = i_s * BKA + tl.arange(0, BKA)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
+        b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+        b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
+        b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
+        tl.store(gam + last_row * (HV * K) + o_k, b_glast, mask=m_k)
+        b_dmid = b_gam - b_gmid[None, :]
+        b_spread = tl.maximum(b_spread, tl.abs(b_dmid))  # elementwise; one reduction after the loop
+        b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        if store_qg:
+            tl.store(qg + p_tk, as_stored(b_q * exp(b_gam, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty),
+                     mask=m_tk)
+        if store_kr:
+            tl.store(kr + p_tk, as_stored(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), kr,
+                                          INTERPRET).to(kr.dtype.element_ty), mask=m_tk)
+        b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
+    spread = tl.max(tl.max(b_spread, 1), 0)
+    mode = tl.where(spread > MAX_SPLIT, 2, 0)
+    tl.store(steep, mode.to(tl.int32))
+
+    if mode == 0:
+        p_a = (o_r[:, None]) * (HV * BT) + o_r[None, :]
+        tl.store(aqk + p_a, as_stored(tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), aqk,
+                                      INTERPRET).to(aqk.dtype.element_ty), mask=m_t[:, None])
+        # M = diag(beta) A_kk, strictly lower (entries above the diagonal may be inf: dropped)
+        b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_m = tl.where(o_r[:, None] > o_r[None, :], b_beta[:, None] * b_akk, 0.0)
+        b_tm = tm_from_block_inverses(b_m, _diag_block_inverses(b_m, BT, BC, DIAG_INV_METHOD), BT, BC, DOT_PREC)
+        # pass 2: W's columns in K slices of BK (gam formed again from g: in cache), U's in V blocks
+        m_sw = m_t & ((o_r * 0 + store_w.to(tl.int32)) > 0)
+        for i_k in range(tl.cdiv(K, BK)):
+            o_k = i_k * BK + tl.arange(0, BK)
+            m_k = o_k < K
+            m_wk = m_sw[:, None] & m_k[None, :]
+            p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
+            b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_wk, other=0.0).to(tl.float32), axis=0)
+            b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
+            b_w = dot(b_tm, b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), BF16_DOTS, DOT_PREC, INTERPRET)
+            tl.store(w + p_tk, as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty), mask=m_wk)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            p_v = (o_r[:, None]) * (HV * V) + o_v[None, :]
+            b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+            b_u = dot(b_tm, b_beta[:, None] * b_v, BF16_DOTS, DOT_PREC, INTERPRET)
+            tl.store(u + p_v, as_stored(b_u, u, INTERPRET).to(u.dtype.element_ty), mask=m_tv)
+    else:
+        # steep: the whole gam of the chunk for the steep launch and intra_wu_fwd's ONLY_STEEP launch
+        for i_s in range(tl.cdiv(K, BKA)):
+            o_k = i_s * BKA + tl.arange(0, BKA)
+            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
+            b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+            tl.store(gam + p_tk, b_gam, mask=m_tk)
