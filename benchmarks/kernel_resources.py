@@ -233,9 +233,12 @@ def main(argv: list[str] | None = None) -> int:
         # the intra-chunk stage in one launch (settings.INTRA_FUSED_FWD), and intra_wu_fwd's
         # launch for the steep chunks that it leaves (ONLY_STEEP)
         (intra_fused_fwd.kda_intra_fused_fwd_kernel,
-         dict(**vl_chunk, q=x, k=x, v=x, g=f32, beta=x, gam=f32, aqk=aq, steep="*i32", qg=op, kr=op, w=op, u=res,
-              scale=scale_type, **ints),
-         dict(common, **varlen, BC=BC, BKA=S.INTRA_FUSED_BKA, BK=S.INTRA_FUSED_BK, BV=S.INTRA_FUSED_BV,
+         dict(**vl_chunk, q=x, k=x, v=x, g=graw, beta=x, gam=f32, aqk=aq, steep="*i32", qg=op, kr=op, w=op, u=res,
+              **gate_sig, scale=scale_type, **ints),
+         dict(common, **varlen, **gate, NONPOSITIVE=row_spreads,
+              BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS) and (S.INTRA_FUSED_BLOCK_REFS == 2
+                                                         or (S.INTRA_FUSED_BLOCK_REFS == 1 and args.gate > 0)),
+              BC=BC, BKA=S.INTRA_FUSED_BKA, BK=S.INTRA_FUSED_BK, BV=S.INTRA_FUSED_BV,
               DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, FAST_EXP=bool(S.FAST_EXP),
               DIAG_INV_METHOD=S.INTRA_FUSED_DIAG_INV if args.dtype != "fp32" else 0,
               BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),

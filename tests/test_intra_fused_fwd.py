@@ -102,13 +102,16 @@ def test_fused_intra_matches_reference_and_four_launches(monkeypatch, shape, dia
         _close(got[i], ref[i], f"{name} vs fp64 reference")
 
 
-@pytest.mark.parametrize("drop", [9.0, 4.0])
-def test_fused_intra_steep_chunks_take_the_steep_launches(monkeypatch, drop):
-    """A second chunk whose gam strays past MAX_SPLIT from its middle row: flagged 2,
-    its A's by the steep launch and its W, U by intra_wu_fwd's ONLY_STEEP launch from
-    the gam the fused kernel stored; the other chunks in the fused kernel."""
+@pytest.mark.parametrize("drop,flag", [(9.0, 2), (4.0, 1)])
+def test_fused_intra_steep_chunks(monkeypatch, drop, flag):
+    """A second chunk whose gam strays past MAX_SPLIT from its middle row. Lowered by 4
+    a token (16-row blocks within 8 * 4.x of their middle rows): flagged 1, its A's by
+    block references in the fused kernel. By 9 (72 > 60): flagged 2, its A's by the
+    steep launch and its W, U by intra_wu_fwd's ONLY_STEEP launch from the gam the
+    fused kernel stored. The other chunks split at their middle rows (0)."""
     args, h0, ref = _problem(1, 3 * CHUNK_SIZE - 7, 1, 2, 32, 24, True, seed=11, steep=_steep_second_chunk(drop))
     _fused(monkeypatch, True)
+    monkeypatch.setattr(S, "INTRA_FUSED_BLOCK_REFS", 2)  # block references for a plain g too
     steep_wu = _spy(monkeypatch, "kda_intra_wu_fwd_kernel")
     got = kda_fwd_triton(*args, None, h0)
     assert steep_wu.count == 1
@@ -122,7 +125,12 @@ def test_fused_intra_steep_chunks_take_the_steep_launches(monkeypatch, drop):
                qg=torch.empty_like(args[3]), kr=torch.empty_like(args[3]), w=torch.empty_like(args[3]),
                u=torch.empty_like(args[2]), tm=None)
     fwd_module._intra_fwd(*args, 32 ** -0.5, s, store_tm=False, out=out)
-    assert flags[0, :, 0].tolist() == [0, 2, 0] and flags[0, :, 1].tolist() == [0, 2, 0]
+    assert flags[0, :, 0].tolist() == [0, flag, 0] and flags[0, :, 1].tolist() == [0, flag, 0]
+    # without the kernel's block references for a plain g (the default), the steep launch takes it
+    monkeypatch.setattr(S, "INTRA_FUSED_BLOCK_REFS", 1)
+    fwd_module._intra_fwd(*args, 32 ** -0.5, s, store_tm=False, out=out)
+    assert flags[0, :, 0].tolist() == [0, 2, 0]
+    _close(kda_fwd_triton(*args, None, h0)[0], ref[0], "o vs fp64 reference, the steep launch")
 
 
 def test_fused_intra_packed_sequences(monkeypatch):
@@ -187,7 +195,7 @@ def test_fused_intra_bf16(monkeypatch, diag_inv):
 
 
 def test_fused_intra_is_not_used_where_it_does_not_serve(monkeypatch):
-    """Kept intermediates (the backward's Tm) and fla's in-kernel gate keep the four launches."""
+    """Kept intermediates (the backward's Tm) keep the four launches; a setting out of range is refused."""
     args, h0, _ = _problem(1, CHUNK_SIZE + 3, 1, 1, 16, 16, True, seed=41)
     _fused(monkeypatch, True)
     fused = _spy(monkeypatch, "kda_intra_fused_fwd_kernel")
@@ -231,3 +239,39 @@ def test_fused_intra_near_parallel_keys(monkeypatch, diag_inv, dtype):
             e_got = ((got[i].cpu().double() - ref[i]).norm() / ref[i].norm()).item()
             e_want = ((want[i].cpu().double() - ref[i]).norm() / ref[i].norm()).item()
             assert e_got <= 1.2 * e_want + 1e-4, f"{name}: fused {e_got} vs four launches {e_want}"
+
+
+@pytest.mark.parametrize("lower_bound", [None, -5.0], ids=["softplus", "bounded"])
+def test_fused_intra_with_fla_gate(monkeypatch, lower_bound):
+    """fla's in-kernel gate, applied to the raw gate as the fused kernel reads it: the
+    softplus form (steep chunks possible: the steep launches run) and the bounded form
+    at lower_bound -5 (log decays of -2.5 on average: most chunks too steep to split,
+    all within reach of block references, so the steep launches do not run)."""
+    from kda_op.reference import kda_gate_reference
+
+    B, T, H, G, K, V = 1, 3 * CHUNK_SIZE - 5, 1, 2, 32, 16
+    HV = H * G
+    x = make_inputs(B=B, T=T, H=H, G=G, K=K, V=V, dtype=torch.float64, with_initial_state=True, seed=61)
+    gen = torch.Generator().manual_seed(62)
+    g_raw = torch.randn(B, T, HV, K, generator=gen, dtype=torch.float64)
+    A_log = torch.empty(HV, dtype=torch.float64).uniform_(0.0, 1.0, generator=gen)
+    dt_bias = 0.5 * torch.randn(HV * K, generator=gen, dtype=torch.float64)
+    log_decay = kda_gate_reference(g_raw, A_log, dt_bias, lower_bound)
+    ref = kda_forward_reference(x["q"], x["k"], x["v"], log_decay, x["beta"], None, x["initial_state"])
+    args = [(g_raw if n == "g" else x[n]).float().to(DEVICE) for n in NAMES]
+    gate = (A_log.float().to(DEVICE), dt_bias.float().to(DEVICE), lower_bound)
+    h0 = x["initial_state"].float().to(DEVICE)
+    _fused(monkeypatch, False)
+    want = kda_fwd_triton(*args, None, h0, gate=gate)
+    _fused(monkeypatch, True)
+    fused = _spy(monkeypatch, "kda_intra_fused_fwd_kernel")
+    steep_wu = _spy(monkeypatch, "kda_intra_wu_fwd_kernel")
+    got = kda_fwd_triton(*args, None, h0, gate=gate)
+    assert fused.count == 1 and steep_wu.count == (0 if lower_bound is not None else 1)
+    for i, name in enumerate(("o", "final state", "chunk states")):
+        _close(got[i], want[i], f"{name} vs four launches")
+        _close(got[i], ref[i], f"{name} vs fp64 reference")
+    s = fwd_module._sizes(args[0], args[2])
+    out = fwd_module._intra_fwd(*args, K ** -0.5, s, store_tm=False, gate=gate)
+    if lower_bound is not None:  # the bounded gate's chunks: some split, some by block references
+        assert set(out["steep"].flatten().tolist()) <= {0, 1} and 1 in out["steep"].flatten().tolist()

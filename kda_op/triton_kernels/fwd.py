@@ -104,8 +104,9 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, IS_VARLEN=s["IS_VARLEN"])
-    if _intra_fused_serves(s, store_tm, gate, traced):
-        _intra_fused_fwd(q, k, v, g, beta, scale, s, out, prec, common, traced, qg_first, kr_last, w_first)
+    if _intra_fused_serves(s, store_tm, traced):
+        _intra_fused_fwd(q, k, v, g, beta, scale, s, out, prec, common, traced, _gate_args(gate, g), qg_first,
+                         kr_last, w_first)
         return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=None, steep=steep, qg=qg, kr=kr)
     regs = dict(maxnreg=S.INTRA_A_FWD_MAXNREG) if S.INTRA_A_FWD_MAXNREG else {}
     gam_kernel = bool(S.INTRA_GAM_KERNEL) or gate is not None
@@ -184,36 +185,50 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
 
-def _intra_fused_serves(s: dict, store_tm: bool, gate: Optional[tuple], traced: bool) -> bool:
+def _intra_fused_serves(s: dict, store_tm: bool, traced: bool) -> bool:
     """Whether the intra-chunk stage runs as one launch (settings.INTRA_FUSED_FWD,
-    intra_fused_fwd.py): where nothing is kept for the backward (no Tm), g is given
-    (no in-kernel gate) and the sequences are not short packed ones (their tiles)."""
+    intra_fused_fwd.py): where nothing is kept for the backward (no Tm) and the
+    sequences are not short packed ones (their tiles)."""
     if S.INTRA_FUSED_FWD not in (0, 1):
         raise ValueError(f"settings.INTRA_FUSED_FWD: expected 0 or 1, got {S.INTRA_FUSED_FWD!r}")
+    if S.INTRA_FUSED_BLOCK_REFS not in (0, 1, 2):
+        raise ValueError(f"settings.INTRA_FUSED_BLOCK_REFS: expected 0, 1 or 2, got {S.INTRA_FUSED_BLOCK_REFS!r}")
     if S.INTRA_FUSED_DIAG_INV not in (0, 1):
         raise ValueError(f"settings.INTRA_FUSED_DIAG_INV: expected 0 or 1, got {S.INTRA_FUSED_DIAG_INV!r}")
     short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
-    return bool(S.INTRA_FUSED_FWD) and not store_tm and gate is None and not short_tiles
+    return bool(S.INTRA_FUSED_FWD) and not store_tm and not short_tiles
 
 
-def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, common: dict, traced: bool,
+def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, common: dict, traced: bool, ga: dict,
                      qg_first: bool, kr_last: bool, w_first: bool) -> None:
     """_intra_fwd's work in one launch (intra_fused_fwd.py) into ``out``'s tensors; the
-    steep chunks it flags then through the steep launch (their A's) and intra_wu_fwd's
-    ONLY_STEEP launch (their Tm, W and U). gam holds each chunk's last row (the scan's
+    steep chunks it flags 2 then through the steep launch (their A's) and intra_wu_fwd's
+    ONLY_STEEP launch (their Tm, W and U), which do not run where no chunk can be
+    flagged 2 (fla's bounded gate with block references: _no_steep_launch). ``ga``:
+    the gate's arguments (_host._gate_args). gam holds each chunk's last row (the scan's
     decay), and a steep chunk's every row; A_kk only steep chunks'. fp32 inputs take the
     diagonal inverses by substitution whatever INTRA_FUSED_DIAG_INV says (the product's
     cancellations cost them two digits: tests/test_intra_fused_fwd.py)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
+    # fla's gate forms (softplus; lower_bound <= 0) make every log decay <= 0
+    nonpositive = ga["GATE"] == 1 or (ga["GATE"] == 2 and ga["lower_bound"] <= 0)
+    # the kernel's own block references (settings.INTRA_FUSED_BLOCK_REFS)
+    block_refs = bool(S.INTRA_A_BLOCK_REFS) and (S.INTRA_FUSED_BLOCK_REFS == 2
+                                                 or (S.INTRA_FUSED_BLOCK_REFS == 1 and ga["GATE"] > 0))
     _kernel(kda_intra_fused_fwd_kernel, traced)[(NC, B * HV)](
-        q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, V=V,
+        q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
+        *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, V=V,
         BT=BT, BC=BC, BKA=S.INTRA_FUSED_BKA, BK=S.INTRA_FUSED_BK, BV=S.INTRA_FUSED_BV, DOT_PREC=prec,
         MAX_SPLIT=MAX_SPLIT, DIAG_INV_METHOD=S.INTRA_FUSED_DIAG_INV if q.dtype != torch.float32 else 0, BF16_DOTS=s["WU_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], QG_FIRST=qg_first, KR_LAST=kr_last, W_FIRST=w_first,
-        FAST_EXP=_fast_exp(), num_warps=S.INTRA_FUSED_WARPS, num_stages=S.INTRA_FUSED_STAGES,
+        FAST_EXP=_fast_exp(), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
+        BLOCK_REFS=block_refs, NONPOSITIVE=nonpositive,
+        num_warps=S.INTRA_FUSED_WARPS, num_stages=S.INTRA_FUSED_STAGES,
         **(dict(maxnreg=S.INTRA_FUSED_MAXNREG) if S.INTRA_FUSED_MAXNREG else {}),
     )
+    if block_refs and _no_steep_launch(ga):  # fla's bounded gate: every chunk split or by block references here
+        return
     row_programs = bool(S.STEEP_FWD_ROW_PROGRAMS)
     sub = BT // BC if row_programs else 1
     work_list = _work_list(B * NC * HV * sub, q.device)

@@ -20,10 +20,13 @@ Kr, W, U, and gam's last row of the chunk, the scan's decay): about 2.4 KB.
           cache), W = Tm diag(beta) (K exp(gam)); over V blocks of BV, U = Tm
           diag(beta) V.
 
-A chunk whose gam strays more than MAX_SPLIT from its middle row (steep flag 2)
-stores its whole gam instead and leaves its A's to intra_a_fwd.py's steep launch
-and its Tm, W and U to intra_wu_fwd.py's ONLY_STEEP launch, which the host runs
-after this one (fwd._intra_fwd). Nothing of the backward's kept intermediates is
+A chunk whose gam strays more than MAX_SPLIT from its middle row takes each
+16-row block's middle row as the reference of the block's rows (steep flag 1,
+BLOCK_REFS) where every block stays within MAX_SPLIT of it and the log decays are
+<= 0, in a second pass over K; otherwise (steep flag 2) it stores its whole gam
+and leaves its A's to intra_a_fwd.py's steep launch and its Tm, W and U to
+intra_wu_fwd.py's ONLY_STEEP launch, which the host runs after this one
+(fwd._intra_fused_fwd). fla's in-kernel gate (GATE) is applied to g as it is read. Nothing of the backward's kept intermediates is
 formed here (no Tm, no A_kk): the host uses it where nothing is kept.
 
 DIAG_INV_METHOD, the inverses of I + D for the four 16 x 16 diagonal blocks D of
@@ -41,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored, dot
+from ._gate import gate_fwd, gate_params
 from ._indexing import chunk_coords, chunk_in_sequence
 from ._math import exp
 from .intra_a_fwd import _split_a_dots
@@ -76,8 +80,56 @@ def _diag_block_inverses(b_m, R: tl.constexpr, BC: tl.constexpr, METHOD: tl.cons
 
 
 @triton.jit
+def _log_decay(g, p_tk, m_tk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K: tl.constexpr, GATE: tl.constexpr,
+               HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """A [BT, BK] tile of the log decay in fp32: g as given, or from fla's raw gate
+    (GATE, _gate.py); 0 on rows past the end (the gate of 0 is not 0) and columns past K."""
+    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
+    if GATE:
+        b_a, b_bias = gate_params(A_log, dt_bias, i_hv, o_k, m_k, K, HAS_A, HAS_BIAS)
+        b_g = tl.where(m_tk, gate_fwd(b_g, b_a, b_bias, lower_bound, GATE), 0.0)
+    return b_g
+
+
+@triton.jit
+def _block_middles(b_gam, BT: tl.constexpr, BC: tl.constexpr):
+    """From a [BT, BK] tile of gam: each BC-row block's middle row [BT // BC, BK], and
+    that row repeated over the block's rows [BT, BK]."""
+    NB: tl.constexpr = BT // BC
+    BK: tl.constexpr = b_gam.shape[1]
+    b_blocks = tl.reshape(b_gam, (NB, BC, BK))
+    b_mid = tl.sum(tl.where((tl.arange(0, BC) == BC // 2)[None, :, None], b_blocks, 0.0), 1)
+    return b_mid, tl.reshape(tl.broadcast_to(b_mid[:, None, :], (NB, BC, BK)), (BT, BK))
+
+
+@triton.jit
+def _block_ref_dots(b_q, b_k, b_gam, b_mid, b_gmb, b_akk, b_aqk, BT: tl.constexpr, BC: tl.constexpr,
+                    DOT_PREC: tl.constexpr, FAST_EXP: tl.constexpr):
+    """One K slice's share of both A's with each BC-row block's middle row m as the
+    reference of its rows (intra_a_fwd.py's block references, from gam in registers):
+    A[i, j] += sum_k X_ik exp(gam_ik - gam_mk) K_jk exp(gam_mk - gam_jk) for j up to
+    the end of i's block. Within exp(+-MAX_SPLIT) where every block strays at most
+    MAX_SPLIT from its middle row; before the block exp(gam_m - gam_j) <= 1 for a
+    decaying gate. Entries above the diagonal inside a block may overflow: dropped later."""
+    NB: tl.constexpr = BT // BC
+    o_r = tl.arange(0, BT)
+    o_b = tl.arange(0, NB)
+    b_er = exp(b_gam - b_gmb, FAST_EXP)
+    b_kl = b_k * b_er
+    b_ql = b_q * b_er
+    for i_i in tl.static_range(NB):
+        rows = (o_r // BC == i_i)[:, None]
+        b_gm = tl.sum(tl.where((o_b == i_i)[:, None], b_mid, 0.0), 0)
+        b_kc = tl.trans(b_k * exp(tl.where((o_r < (i_i + 1) * BC)[:, None], b_gm[None, :] - b_gam, float("-inf")),
+                                  FAST_EXP))
+        b_akk += tl.dot(tl.where(rows, b_kl, 0.0), b_kc, input_precision=DOT_PREC)
+        b_aqk += tl.dot(tl.where(rows, b_ql, 0.0), b_kc, input_precision=DOT_PREC)
+    return b_akk, b_aqk
+
+
+@triton.jit
 def kda_intra_fused_fwd_kernel(
-    q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u,
+    q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u, A_log, dt_bias, lower_bound,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
@@ -86,8 +138,14 @@ def kda_intra_fused_fwd_kernel(
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, DIAG_INV_METHOD: tl.constexpr = 0,
     BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False, IS_VARLEN: tl.constexpr = False,
     QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True, W_FIRST: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False, GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False,
+    HAS_BIAS: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False, NONPOSITIVE: tl.constexpr = False,
 ):
+    # GATE, HAS_A, HAS_BIAS: fla's in-kernel gate (_gate.py): g is the raw gate.
+    # BLOCK_REFS (settings.INTRA_A_BLOCK_REFS): a chunk too steep to split at its middle
+    # row whose 16-row blocks each stay within MAX_SPLIT of their middle rows, and whose
+    # log decays are <= 0, takes those rows as references (steep flag 1), in a second
+    # pass over K here; NONPOSITIVE: the gate's form makes every log decay <= 0 (no check).
     # QG_FIRST / KR_LAST / W_FIRST: as intra_a_fwd.py's and intra_wu_fwd.py's (a forward
     # that keeps nothing leaves unwritten what nothing reads).
     # scale in fp32 whatever the caller's scalar type (inductor passes a Python float as fp64).
@@ -127,6 +185,8 @@ def kda_intra_fused_fwd_kernel(
     # pass 1 over K slices (columns are independent): rows past the end load g = 0,
     # so they repeat the last row's gam (_indexing.gam_row's value)
     b_spread = tl.zeros([BT, BKA], dtype=tl.float32)
+    b_bspread = tl.zeros([BT, BKA], dtype=tl.float32)  # BLOCK_REFS: from each block's middle row
+    b_gmax = tl.zeros([BT, BKA], dtype=tl.float32)  # BLOCK_REFS, not NONPOSITIVE: the largest log decay
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_s in range(tl.cdiv(K, BKA)):
@@ -134,7 +194,13 @@ def kda_intra_fused_fwd_kernel(
         m_k = o_k < K
         m_tk = m_t[:, None] & m_k[None, :]
         p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
-        b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+        b_g = _log_decay(g, p_tk, m_tk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K, GATE, HAS_A, HAS_BIAS)
+        b_gam = tl.cumsum(b_g, axis=0)
+        if BLOCK_REFS:
+            b_mid, b_gmb = _block_middles(b_gam, BT, BC)
+            b_bspread = tl.maximum(b_bspread, tl.abs(b_gam - b_gmb))
+            if not NONPOSITIVE:
+                b_gmax = tl.maximum(b_gmax, b_g)
         b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
         b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
         tl.store(gam + last_row * (HV * K) + o_k, b_glast, mask=m_k)
@@ -150,10 +216,29 @@ def kda_intra_fused_fwd_kernel(
                                           INTERPRET).to(kr.dtype.element_ty), mask=m_tk)
         b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
     spread = tl.max(tl.max(b_spread, 1), 0)
-    mode = tl.where(spread > MAX_SPLIT, 2, 0)
+    if BLOCK_REFS:
+        by_blocks = (tl.max(tl.max(b_bspread, 1), 0) <= MAX_SPLIT) & (tl.max(tl.max(b_gmax, 1), 0) <= 0.0)
+        mode = tl.where(spread <= MAX_SPLIT, 0, tl.where(by_blocks, 1, 2))
+    else:
+        mode = tl.where(spread <= MAX_SPLIT, 0, 2)
     tl.store(steep, mode.to(tl.int32))
+    if mode == 1:
+        # the A's again by block references (the split ones may hold inf: dropped)
+        b_akk = tl.zeros([BT, BT], dtype=tl.float32)
+        b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_s in range(tl.cdiv(K, BKA)):
+            o_k = i_s * BKA + tl.arange(0, BKA)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
+            b_gam = tl.cumsum(_log_decay(g, p_tk, m_tk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K, GATE, HAS_A,
+                                         HAS_BIAS), axis=0)
+            b_mid, b_gmb = _block_middles(b_gam, BT, BC)
+            b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+            b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_akk, b_aqk = _block_ref_dots(b_q, b_k, b_gam, b_mid, b_gmb, b_akk, b_aqk, BT, BC, DOT_PREC, FAST_EXP)
 
-    if mode == 0:
+    if mode < 2:
         p_a = (o_r[:, None]) * (HV * BT) + o_r[None, :]
         tl.store(aqk + p_a, as_stored(tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), aqk,
                                       INTERPRET).to(aqk.dtype.element_ty), mask=m_t[:, None])
@@ -168,7 +253,8 @@ def kda_intra_fused_fwd_kernel(
             m_k = o_k < K
             m_wk = m_sw[:, None] & m_k[None, :]
             p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
-            b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_wk, other=0.0).to(tl.float32), axis=0)
+            b_gam = tl.cumsum(_log_decay(g, p_tk, m_wk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K, GATE, HAS_A,
+                                         HAS_BIAS), axis=0)
             b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
             b_w = dot(b_tm, b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), BF16_DOTS, DOT_PREC, INTERPRET)
             tl.store(w + p_tk, as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty), mask=m_wk)
@@ -183,7 +269,9 @@ def kda_intra_fused_fwd_kernel(
         # steep: the whole gam of the chunk for the steep launch and intra_wu_fwd's ONLY_STEEP launch
         for i_s in range(tl.cdiv(K, BKA)):
             o_k = i_s * BKA + tl.arange(0, BKA)
-            m_tk = m_t[:, None] & (o_k < K)[None, :]
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
             p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
-            b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
+            b_gam = tl.cumsum(_log_decay(g, p_tk, m_tk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K, GATE, HAS_A,
+                                         HAS_BIAS), axis=0)
             tl.store(gam + p_tk, b_gam, mask=m_tk)

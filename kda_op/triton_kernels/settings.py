@@ -558,11 +558,10 @@ ONE_PASS_MIN_PROGRAMS_PER_SM = 1
 # The forward's intra-chunk stage in one launch (intra_fused_fwd.py: gam, the A's, Tm, W,
 # U, Qg and Kr of a chunk in one program; A_kk, gam and the diagonal inverses stay on
 # chip) instead of four (gam_fwd, intra_a_fwd, diag_inv, intra_wu_fwd) (1), or not (0).
-# Where the forward keeps no intermediates and g is given (no in-kernel gate: fla's gate
-# makes most chunks take block references, which this kernel leaves to the steep
-# launch), not on short packed sequences (their tiles). Steep chunks (gam straying past
-# MAX_SPLIT from the middle row) go to the steep launch and intra_wu_fwd's ONLY_STEEP
-# launch. At B8-T8192-H16 (bf16, K = V = 128) the four launches took 1.92 of a 2.64 ms
+# Where the forward keeps no intermediates, not on short packed sequences (their tiles);
+# with fla's in-kernel gate too. Chunks too steep to split at the middle row take block
+# references here (a second pass over K, with INTRA_A_BLOCK_REFS); steeper ones go to the
+# steep launch and intra_wu_fwd's ONLY_STEEP launch (neither runs under fla's bounded gate). At B8-T8192-H16 (bf16, K = V = 128) the four launches took 1.92 of a 2.64 ms
 # forward (H200, 2026-12-05) moving about 5.3 KB a token and head; this one moves 2.4.
 # Built 2026-12-05 (thirty-first session), interpreter-tested; off until timed.
 # INTRA_FUSED_DIAG_INV: the diagonal blocks' inverses by forward substitution (0) or by
@@ -571,7 +570,12 @@ ONE_PASS_MIN_PROGRAMS_PER_SM = 1
 # fp32 inputs' o then strays 2e-4 from the fp64 reference against 3e-6 by substitution
 # (interpreter, 2026-12-05); bf16 inputs round far coarser.
 # INTRA_FUSED_BKA / BK / BV: the K slices of the A's and of W, the V blocks of U.
+# INTRA_FUSED_BLOCK_REFS: the kernel's own block references (flag 1 chunks) with fla's
+# gate only (1: its chunks mostly need them), always (2) or never (0: such chunks to the
+# steep launch). At sm_90a (bf16, K = V = 128, four warps) the branch takes the kernel from
+# 252 registers and no spills to 255 and 20 B; at eight warps capped at 128, 0 -> 588 B.
 INTRA_FUSED_FWD = 0
+INTRA_FUSED_BLOCK_REFS = 1
 INTRA_FUSED_DIAG_INV = 0
 INTRA_FUSED_BKA = 32
 INTRA_FUSED_BK = 32
