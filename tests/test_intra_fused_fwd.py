@@ -47,7 +47,8 @@ def _spy(monkeypatch, name: str) -> _Launches:
     return spy
 
 
-def _fused(monkeypatch, on: bool, diag_inv: int = 0):
+def _fused(monkeypatch, on, diag_inv: int = 0):
+    """INTRA_FUSED_FWD = ``on`` (False / True / 2) and INTRA_FUSED_DIAG_INV = ``diag_inv``."""
     monkeypatch.setattr(S, "RECURRENT_MAX_T", 0)  # short sequences through the chunked kernels too
     monkeypatch.setattr(S, "INTRA_FUSED_FWD", int(on))
     monkeypatch.setattr(S, "INTRA_FUSED_DIAG_INV", diag_inv)
@@ -203,7 +204,7 @@ def test_fused_intra_is_not_used_where_it_does_not_serve(monkeypatch):
     assert fused.count == 0
     kda_fwd_triton(*args, None, h0)
     assert fused.count == 1
-    monkeypatch.setattr(S, "INTRA_FUSED_FWD", 2)
+    monkeypatch.setattr(S, "INTRA_FUSED_FWD", 3)
     with pytest.raises(ValueError, match="INTRA_FUSED_FWD"):
         kda_fwd_triton(*args, None, h0)
 
@@ -275,3 +276,44 @@ def test_fused_intra_with_fla_gate(monkeypatch, lower_bound):
     out = fwd_module._intra_fwd(*args, K ** -0.5, s, store_tm=False, gate=gate)
     if lower_bound is not None:  # the bounded gate's chunks: some split, some by block references
         assert set(out["steep"].flatten().tolist()) <= {0, 1} and 1 in out["steep"].flatten().tolist()
+
+
+def test_fused_intra_keeps_the_intermediates(monkeypatch):
+    """INTRA_FUSED_FWD = 2: the forward that keeps its intermediates (and the backward's
+    recompute) takes the fused stage too, which then also stores gam, A_kk and Tm:
+    outputs bitwise those of the plain forward, every kept piece close to the four
+    launches' (a chunk through the steep launches among them), and the backward from
+    them close to the recomputing one and to the fp64 reference."""
+    from kda_op.reference import kda_backward_reference
+    from kda_op.triton_kernels import kda_bwd_triton
+    from kda_op.triton_kernels._host import _intermediates_views, _layout
+
+    args, h0, ref = _problem(1, 3 * CHUNK_SIZE - 11, 1, 2, 32, 24, True, seed=71, steep=_steep_second_chunk(9.0))
+    _fused(monkeypatch, False)
+    *want, kept_want = kda_fwd_triton(*args, None, h0, keep_intermediates=True)
+    _fused(monkeypatch, 2)
+    fused = _spy(monkeypatch, "kda_intra_fused_fwd_kernel")
+    plain = kda_fwd_triton(*args, None, h0)
+    *got, kept = kda_fwd_triton(*args, None, h0, keep_intermediates=True)
+    assert fused.count == 2
+    for i, name in enumerate(("o", "final state", "chunk states")):
+        assert torch.equal(got[i], plain[i]), name
+        _close(got[i], want[i], f"{name} vs four launches")
+    layout = _layout(args[0], args[2])[0]
+    views, views_want = _intermediates_views(kept, layout), _intermediates_views(kept_want, layout)
+    assert torch.equal(views["steep"], views_want["steep"])
+    assert views["steep"][0, :, 0].tolist() == [0, 2, 0]
+    for name in ("gam", "akk", "aqk", "tm", "u", "up", "qg", "kr", "w"):
+        _close(views[name], views_want[name], f"kept {name}")
+
+    gen = torch.Generator().manual_seed(72)
+    do = torch.randn(got[0].shape, generator=gen).to(DEVICE)
+    dht = torch.randn(got[1].shape, generator=gen).to(DEVICE)
+    from_kept = kda_bwd_triton(*args, None, h0, got[2], do, dht, kept)
+    recomputed = kda_bwd_triton(*args, None, h0, got[2], do, dht)
+    assert fused.count == 3  # the recompute took the fused stage too
+    grads_ref = kda_backward_reference(*[a.double().cpu() for a in args], None, h0.double().cpu(),
+                                       ref[2], do.double().cpu(), dht.double().cpu())
+    for name, a, b, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), from_kept, recomputed, grads_ref):
+        _close(a, b, f"{name}: kept vs recomputed")
+        _close(a, r, f"{name} vs fp64 reference")

@@ -97,9 +97,9 @@ def _check_fwd_bwd(args, h0, with_dht, seed):
     from kda_op.triton_kernels import settings
 
     routed = T <= settings.RECURRENT_MAX_T  # the plain forward took the recurrent kernel
-    # or the one-launch intra-chunk stage (settings.INTRA_FUSED_FWD: Tm formed another way),
-    # which a forward that keeps its intermediates does not take
-    fused = bool(settings.INTRA_FUSED_FWD)
+    # or the one-launch intra-chunk stage (settings.INTRA_FUSED_FWD 1: Tm formed another way),
+    # which a forward that keeps its intermediates then does not take
+    fused = settings.INTRA_FUSED_FWD == 1
     for name, got, want in zip(("o", "final_state", "chunk_states"), kept_outputs, (o, ht, cs)):
         if routed or fused:
             _rel_close(got, want, name)

@@ -105,9 +105,9 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, IS_VARLEN=s["IS_VARLEN"])
     if _intra_fused_serves(s, store_tm, traced):
-        _intra_fused_fwd(q, k, v, g, beta, scale, s, out, prec, common, traced, _gate_args(gate, g), qg_first,
-                         kr_last, w_first)
-        return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=None, steep=steep, qg=qg, kr=kr)
+        _intra_fused_fwd(q, k, v, g, beta, scale, s, out, prec, common, traced, _gate_args(gate, g), store_tm,
+                         qg_first, kr_last, w_first)
+        return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
     regs = dict(maxnreg=S.INTRA_A_FWD_MAXNREG) if S.INTRA_A_FWD_MAXNREG else {}
     gam_kernel = bool(S.INTRA_GAM_KERNEL) or gate is not None
     NKB = _cdiv(K, S.BKG)
@@ -187,20 +187,21 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
 
 def _intra_fused_serves(s: dict, store_tm: bool, traced: bool) -> bool:
     """Whether the intra-chunk stage runs as one launch (settings.INTRA_FUSED_FWD,
-    intra_fused_fwd.py): where nothing is kept for the backward (no Tm) and the
-    sequences are not short packed ones (their tiles)."""
-    if S.INTRA_FUSED_FWD not in (0, 1):
-        raise ValueError(f"settings.INTRA_FUSED_FWD: expected 0 or 1, got {S.INTRA_FUSED_FWD!r}")
+    intra_fused_fwd.py): where nothing is kept for the backward (1), or also where Tm
+    is (2: the forward that keeps its intermediates, the backward's recompute); not on
+    short packed sequences (their tiles)."""
+    if S.INTRA_FUSED_FWD not in (0, 1, 2):
+        raise ValueError(f"settings.INTRA_FUSED_FWD: expected 0, 1 or 2, got {S.INTRA_FUSED_FWD!r}")
     if S.INTRA_FUSED_BLOCK_REFS not in (0, 1, 2):
         raise ValueError(f"settings.INTRA_FUSED_BLOCK_REFS: expected 0, 1 or 2, got {S.INTRA_FUSED_BLOCK_REFS!r}")
     if S.INTRA_FUSED_DIAG_INV not in (0, 1):
         raise ValueError(f"settings.INTRA_FUSED_DIAG_INV: expected 0 or 1, got {S.INTRA_FUSED_DIAG_INV!r}")
     short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
-    return bool(S.INTRA_FUSED_FWD) and not store_tm and not short_tiles
+    return bool(S.INTRA_FUSED_FWD) and (S.INTRA_FUSED_FWD == 2 or not store_tm) and not short_tiles
 
 
 def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, common: dict, traced: bool, ga: dict,
-                     qg_first: bool, kr_last: bool, w_first: bool) -> None:
+                     store_tm: bool, qg_first: bool, kr_last: bool, w_first: bool) -> None:
     """_intra_fwd's work in one launch (intra_fused_fwd.py) into ``out``'s tensors; the
     steep chunks it flags 2 then through the steep launch (their A's) and intra_wu_fwd's
     ONLY_STEEP launch (their Tm, W and U), which do not run where no chunk can be
@@ -211,19 +212,20 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
     cancellations cost them two digits: tests/test_intra_fused_fwd.py)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
+    tm = out["tm"] if store_tm else akk  # a stand-in without STORE_TM, never written
     # fla's gate forms (softplus; lower_bound <= 0) make every log decay <= 0
     nonpositive = ga["GATE"] == 1 or (ga["GATE"] == 2 and ga["lower_bound"] <= 0)
     # the kernel's own block references (settings.INTRA_FUSED_BLOCK_REFS)
     block_refs = bool(S.INTRA_A_BLOCK_REFS) and (S.INTRA_FUSED_BLOCK_REFS == 2
                                                  or (S.INTRA_FUSED_BLOCK_REFS == 1 and ga["GATE"] > 0))
     _kernel(kda_intra_fused_fwd_kernel, traced)[(NC, B * HV)](
-        q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
+        q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u, akk, tm, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
         *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, V=V,
         BT=BT, BC=BC, BKA=S.INTRA_FUSED_BKA, BK=S.INTRA_FUSED_BK, BV=S.INTRA_FUSED_BV, DOT_PREC=prec,
         MAX_SPLIT=MAX_SPLIT, DIAG_INV_METHOD=S.INTRA_FUSED_DIAG_INV if q.dtype != torch.float32 else 0, BF16_DOTS=s["WU_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], QG_FIRST=qg_first, KR_LAST=kr_last, W_FIRST=w_first,
         FAST_EXP=_fast_exp(), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
-        BLOCK_REFS=block_refs, NONPOSITIVE=nonpositive,
+        BLOCK_REFS=block_refs, NONPOSITIVE=nonpositive, STORE_TM=store_tm,
         num_warps=S.INTRA_FUSED_WARPS, num_stages=S.INTRA_FUSED_STAGES,
         **(dict(maxnreg=S.INTRA_FUSED_MAXNREG) if S.INTRA_FUSED_MAXNREG else {}),
     )
@@ -240,9 +242,9 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
         num_warps=4,
     )
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-        k, v, beta, gam, akk, akk, w, u, akk, *s["VL_CHUNK"], T, NC, DINV_IN=False,
+        k, v, beta, gam, akk, akk, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=False,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
-        STORE_TM=False, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS, BF16_DOTS=s["WU_BF16_DOTS"],
+        STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS, BF16_DOTS=s["WU_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], W_FIRST=w_first, FAST_EXP=_fast_exp(),
         steep=steep, ONLY_STEEP=True, num_warps=4,
     )

@@ -7,7 +7,8 @@ diag_inv.py, intra_wu_fwd.py) that hand over gam (fp32), A_kk (fp32) and the
 diagonal blocks' inverses through memory and read K twice: at K = V = 128, bf16,
 about 5.3 KB a token and head. Here one program per (chunk, batch * value head)
 reads g, Q, K, V and beta and writes what the scan and the output read (A_qk, Qg,
-Kr, W, U, and gam's last row of the chunk, the scan's decay): about 2.4 KB.
+Kr, W, U, and gam's last row of the chunk, the scan's decay): about 2.4 KB; with
+STORE_TM (kept intermediates) also gam, A_kk and Tm, 1 KB more.
 
   pass 1, over K slices of BKA: gam = cumsum(g) in fp32, Qg and Kr stored, how far
           gam strays from the chunk's middle row, and both A's split at that row
@@ -26,8 +27,7 @@ BLOCK_REFS) where every block stays within MAX_SPLIT of it and the log decays ar
 <= 0, in a second pass over K; otherwise (steep flag 2) it stores its whole gam
 and leaves its A's to intra_a_fwd.py's steep launch and its Tm, W and U to
 intra_wu_fwd.py's ONLY_STEEP launch, which the host runs after this one
-(fwd._intra_fused_fwd). fla's in-kernel gate (GATE) is applied to g as it is read. Nothing of the backward's kept intermediates is
-formed here (no Tm, no A_kk): the host uses it where nothing is kept.
+(fwd._intra_fused_fwd). fla's in-kernel gate (GATE) is applied to g as it is read.
 
 DIAG_INV_METHOD, the inverses of I + D for the four 16 x 16 diagonal blocks D of
 M = diag(beta) A_kk, held in registers as [NB, BC, BC]:
@@ -129,7 +129,7 @@ def _block_ref_dots(b_q, b_k, b_gam, b_mid, b_gmb, b_akk, b_aqk, BT: tl.constexp
 
 @triton.jit
 def kda_intra_fused_fwd_kernel(
-    q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u, A_log, dt_bias, lower_bound,
+    q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u, akk, tm, A_log, dt_bias, lower_bound,
     cu_seqlens, chunk_index,  # varlen (IS_VARLEN): _indexing.py
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
@@ -140,7 +140,10 @@ def kda_intra_fused_fwd_kernel(
     QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True, W_FIRST: tl.constexpr = True,
     FAST_EXP: tl.constexpr = False, GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False, NONPOSITIVE: tl.constexpr = False,
+    STORE_TM: tl.constexpr = False,
 ):
+    # STORE_TM (a forward that keeps its intermediates, the backward's recompute):
+    # also the whole gam, A_kk and Tm, as the four launches keep them.
     # GATE, HAS_A, HAS_BIAS: fla's in-kernel gate (_gate.py): g is the raw gate.
     # BLOCK_REFS (settings.INTRA_A_BLOCK_REFS): a chunk too steep to split at its middle
     # row whose 16-row blocks each stay within MAX_SPLIT of their middle rows, and whose
@@ -168,6 +171,8 @@ def kda_intra_fused_fwd_kernel(
     kr += (bos * HV + i_hv) * K
     w += (bos * HV + i_hv) * K
     aqk += (bos * HV + i_hv) * BT
+    akk += (bos * HV + i_hv) * BT
+    tm += (bos * HV + i_hv) * BT
     v += (bos * HV + i_hv) * V
     u += (bos * HV + i_hv) * V
     beta += bos * HV + i_hv
@@ -203,7 +208,10 @@ def kda_intra_fused_fwd_kernel(
                 b_gmax = tl.maximum(b_gmax, b_g)
         b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
         b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
-        tl.store(gam + last_row * (HV * K) + o_k, b_glast, mask=m_k)
+        if STORE_TM:
+            tl.store(gam + p_tk, b_gam, mask=m_tk)
+        else:
+            tl.store(gam + last_row * (HV * K) + o_k, b_glast, mask=m_k)
         b_dmid = b_gam - b_gmid[None, :]
         b_spread = tl.maximum(b_spread, tl.abs(b_dmid))  # elementwise; one reduction after the loop
         b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
@@ -246,6 +254,9 @@ def kda_intra_fused_fwd_kernel(
         b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
         b_m = tl.where(o_r[:, None] > o_r[None, :], b_beta[:, None] * b_akk, 0.0)
         b_tm = tm_from_block_inverses(b_m, _diag_block_inverses(b_m, BT, BC, DIAG_INV_METHOD), BT, BC, DOT_PREC)
+        if STORE_TM:
+            tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
+            tl.store(tm + p_a, b_tm, mask=m_t[:, None])
         # pass 2: W's columns in K slices of BK (gam formed again from g: in cache), U's in V blocks
         m_sw = m_t & ((o_r * 0 + store_w.to(tl.int32)) > 0)
         for i_k in range(tl.cdiv(K, BK)):
@@ -265,7 +276,7 @@ def kda_intra_fused_fwd_kernel(
             b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
             b_u = dot(b_tm, b_beta[:, None] * b_v, BF16_DOTS, DOT_PREC, INTERPRET)
             tl.store(u + p_v, as_stored(b_u, u, INTERPRET).to(u.dtype.element_ty), mask=m_tv)
-    else:
+    elif not STORE_TM:  # (STORE_TM: stored in pass 1)
         # steep: the whole gam of the chunk for the steep launch and intra_wu_fwd's ONLY_STEEP launch
         for i_s in range(tl.cdiv(K, BKA)):
             o_k = i_s * BKA + tl.arange(0, BKA)

@@ -557,8 +557,9 @@ ONE_PASS_STAGES = 1
 ONE_PASS_MIN_PROGRAMS_PER_SM = 1
 # The forward's intra-chunk stage in one launch (intra_fused_fwd.py: gam, the A's, Tm, W,
 # U, Qg and Kr of a chunk in one program; A_kk, gam and the diagonal inverses stay on
-# chip) instead of four (gam_fwd, intra_a_fwd, diag_inv, intra_wu_fwd) (1), or not (0).
-# Where the forward keeps no intermediates, not on short packed sequences (their tiles);
+# chip) instead of four (gam_fwd, intra_a_fwd, diag_inv, intra_wu_fwd), where the forward
+# keeps no intermediates (1), or also where it keeps them and in the backward's recompute
+# (2: then also storing gam, A_kk and Tm), or not (0). Not on short packed sequences (their tiles);
 # with fla's in-kernel gate too. Chunks too steep to split at the middle row take block
 # references here (a second pass over K, with INTRA_A_BLOCK_REFS); steeper ones go to the
 # steep launch and intra_wu_fwd's ONLY_STEEP launch (neither runs under fla's bounded gate). At B8-T8192-H16 (bf16, K = V = 128) the four launches took 1.92 of a 2.64 ms
