@@ -192,6 +192,7 @@ def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, block_refs, common_
     from kda_op.triton_kernels._host import _sizes
 
     args = [inputs[n] for n in NAMES]
+    monkeypatch.setattr(settings, "INTRA_FUSED_FWD", 0)  # the four launches' flags (test_intra_fused_fwd.py: the fused stage's)
     flags = _intra_fwd(*args, K**-0.5, _sizes(args[0], args[2]), store_tm=False)["steep"]
     assert flags[0, :, 0].tolist() == [0, 1 if common_refs else 2, 2]
 
@@ -835,6 +836,7 @@ def test_triton_gam_spreads_and_the_paths_they_pick(T_cut, monkeypatch):
     from kda_op.triton_kernels.settings import BC
 
     monkeypatch.setattr(settings, "BKG", 32)  # K = 48: one whole and one partial K block
+    monkeypatch.setattr(settings, "INTRA_FUSED_FWD", 0)  # the four launches' gam_fwd and intra_a_fwd
     B, T, HV, K = 1, 3 * CHUNK_SIZE - T_cut, 2, 48
     inputs = _inputs(B, T, 1, HV, K, 40, True, seed=61)
     g = inputs["g"].clone()
@@ -1340,8 +1342,9 @@ def test_triton_export_op_matches_the_forward_and_the_reference(T, with_h0):
         _rel_close(leaf.grad, want, name)
 
 
+@pytest.mark.parametrize("fused", [0, 1], ids=["four-launch-intra", "fused-intra"])
 @pytest.mark.parametrize("packed", [False, True])
-def test_triton_traced_launches_pass_every_parameter(packed, monkeypatch):
+def test_triton_traced_launches_pass_every_parameter(packed, fused, monkeypatch):
     """The export op's host code (traced by torch.export and inductor) passes every
     parameter of every kernel it launches, defaults included: with one left to its
     default, torch's mutation analysis of the traced launch fails and the kernel
@@ -1368,6 +1371,8 @@ def test_triton_traced_launches_pass_every_parameter(packed, monkeypatch):
             return run
 
     monkeypatch.setattr(_compat, "wrap_triton", Recorder)
+    from kda_op.triton_kernels import settings
+    monkeypatch.setattr(settings, "INTRA_FUSED_FWD", fused)
     if packed:
         cu, (q, k, v, g, beta), gate, _ = _packed_problem([5, 64, 70, 0, 33], seed=47, gated=True, decay=0.2)
         h0 = None
@@ -1384,13 +1389,21 @@ def test_triton_traced_launches_pass_every_parameter(packed, monkeypatch):
     _rel_close(ht, ht_ref, "final_state")
 
     names = {fn.__name__ for fn, _, _ in launches}
-    from kda_op.triton_kernels import settings
-    # fla's bounded gate (packed): the A's by row blocks where settings.INTRA_A_ROW_PROGRAMS says so
-    a_kernel = "kda_intra_a_fwd_rows_kernel" if packed and settings.INTRA_A_ROW_PROGRAMS else "kda_intra_a_fwd_kernel"
-    launched = {a_kernel, "kda_intra_wu_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel"}
-    # packed: fla's gate (gam_fwd) and the unused chunk-state slots; else the steep launch
-    launched |= {"kda_gam_fwd_kernel", "kda_zero_slots_kernel"} if packed else {"kda_intra_a_fwd_steep_kernel"}
+    scan = {"kda_state_fwd_kernel", "kda_output_fwd_kernel"} | ({"kda_zero_slots_kernel"} if packed else set())
+    if fused:
+        # the fused stage; the steep launches only where a chunk can be flagged 2 (not under
+        # fla's bounded gate, packed here)
+        launched = scan | {"kda_intra_fused_fwd_kernel"}
+        launched |= set() if packed else {"kda_intra_a_fwd_steep_kernel", "kda_intra_wu_fwd_kernel"}
+    else:
+        # fla's bounded gate (packed): the A's by row blocks where settings.INTRA_A_ROW_PROGRAMS says so
+        a_kernel = ("kda_intra_a_fwd_rows_kernel" if packed and settings.INTRA_A_ROW_PROGRAMS
+                    else "kda_intra_a_fwd_kernel")
+        launched = scan | {a_kernel, "kda_intra_wu_fwd_kernel"}
+        # packed: fla's gate (gam_fwd); else the steep launch
+        launched |= {"kda_gam_fwd_kernel"} if packed else {"kda_intra_a_fwd_steep_kernel"}
     assert launched <= names, sorted(names)
+    assert ("kda_intra_fused_fwd_kernel" in names) == bool(fused)
     for fn, n_args, kwargs in launches:
         params = list(inspect.signature(fn.fn).parameters)
         missing = set(params[n_args:]) - kwargs
