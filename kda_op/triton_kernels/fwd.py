@@ -148,17 +148,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             num_warps=S.INTRA_A_FWD_WARPS, **regs,
         )
     if not _no_steep_launch(ga):
-        row_programs = bool(S.STEEP_FWD_ROW_PROGRAMS)
-        sub = BT // BC if row_programs else 1
-        # a work list (settings.STEEP_WORK_LIST) or one program per chunk, head (and row block)
-        work_list = _work_list(B * NC * HV * sub, q.device)
-        _kernel(kda_intra_a_fwd_steep_kernel, traced)[work_list or (NC, B * HV, sub)](
-            q, k, gam, akk, aqk, steep, *s["VL_CHUNK"], scale, T, NC, n_flags=B * NC * HV,
-            **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
-            BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs,
-            BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), WORK_LIST=work_list is not None, WL_BLOCK=S.WORK_LIST_BLOCK,
-            num_warps=4,
-        )
+        _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s, common, traced)
     # the diagonal blocks' inverses in programs of their own (settings.INTRA_DIAG_INV_KERNEL)
     diag_inv = bool(S.INTRA_DIAG_INV_KERNEL)
     dinv = torch.empty(B, T, HV, BC, **f32) if diag_inv else akk  # akk: a stand-in, never read
@@ -183,6 +173,22 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             **(dict(maxnreg=wu_cap) if wu_cap else {}),
         )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
+
+
+def _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s: dict, common: dict, traced: bool) -> None:
+    """The A's of the chunks flagged 2 (intra_a_fwd.py's steep launch): a work list
+    (settings.STEEP_WORK_LIST) or one program per chunk, head (and row block)."""
+    B, T, HV, NC = s["B"], s["T"], s["HV"], s["NC"]
+    row_programs = bool(S.STEEP_FWD_ROW_PROGRAMS)
+    sub = BT // BC if row_programs else 1
+    work_list = _work_list(B * NC * HV * sub, q.device)
+    _kernel(kda_intra_a_fwd_steep_kernel, traced)[work_list or (NC, B * HV, sub)](
+        q, k, gam, akk, aqk, steep, *s["VL_CHUNK"], scale, T, NC, n_flags=B * NC * HV,
+        **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
+        BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs,
+        BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), WORK_LIST=work_list is not None, WL_BLOCK=S.WORK_LIST_BLOCK,
+        num_warps=4,
+    )
 
 
 def _intra_fused_serves(s: dict, store_tm: bool, traced: bool) -> bool:
@@ -222,7 +228,8 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
         q, k, v, g, beta, gam, aqk, steep, qg, kr, w, u, akk, tm, ga["A_log"], ga["dt_bias"], ga["lower_bound"],
         *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, V=V,
         BT=BT, BC=BC, BKA=S.INTRA_FUSED_BKA, BK=S.INTRA_FUSED_BK, BV=S.INTRA_FUSED_BV, DOT_PREC=prec,
-        MAX_SPLIT=MAX_SPLIT, DIAG_INV_METHOD=S.INTRA_FUSED_DIAG_INV if q.dtype != torch.float32 else 0, BF16_DOTS=s["WU_BF16_DOTS"],
+        MAX_SPLIT=MAX_SPLIT, DIAG_INV_METHOD=S.INTRA_FUSED_DIAG_INV if q.dtype != torch.float32 else 0,
+        BF16_DOTS=s["WU_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], QG_FIRST=qg_first, KR_LAST=kr_last, W_FIRST=w_first,
         FAST_EXP=_fast_exp(), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
         BLOCK_REFS=block_refs, NONPOSITIVE=nonpositive, STORE_TM=store_tm,
@@ -231,16 +238,7 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
     )
     if block_refs and _no_steep_launch(ga):  # fla's bounded gate: every chunk split or by block references here
         return
-    row_programs = bool(S.STEEP_FWD_ROW_PROGRAMS)
-    sub = BT // BC if row_programs else 1
-    work_list = _work_list(B * NC * HV * sub, q.device)
-    _kernel(kda_intra_a_fwd_steep_kernel, traced)[work_list or (NC, B * HV, sub)](
-        q, k, gam, akk, aqk, steep, *s["VL_CHUNK"], scale, T, NC, n_flags=B * NC * HV,
-        **(common | dict(DOT_PREC=_steep_dot_precision(q.dtype))),
-        BC=BC, BKS=S.BKS, INTERPRET=_INTERPRET, ROW_PROGRAMS=row_programs,
-        BLOCK_REFS=bool(S.STEEP_BLOCK_REFS), WORK_LIST=work_list is not None, WL_BLOCK=S.WORK_LIST_BLOCK,
-        num_warps=4,
-    )
+    _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s, common, traced)
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
         k, v, beta, gam, akk, akk, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=False,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],

@@ -92,6 +92,29 @@ def _log_decay(g, p_tk, m_tk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K: tl
 
 
 @triton.jit
+def _gam_slice(g, i_s, m_t, A_log, dt_bias, lower_bound, i_hv, HV, K: tl.constexpr, BT: tl.constexpr,
+               BKS: tl.constexpr, GATE: tl.constexpr, HAS_A: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """K slice ``i_s`` (BKS columns) of the chunk: its columns and their mask, the
+    tile's mask (rows ``m_t``) and offsets, the log decay and gam = cumsum over rows."""
+    o_r = tl.arange(0, BT)
+    o_k = i_s * BKS + tl.arange(0, BKS)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
+    b_g = _log_decay(g, p_tk, m_tk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K, GATE, HAS_A, HAS_BIAS)
+    return o_k, m_k, m_tk, p_tk, b_g, tl.cumsum(b_g, axis=0)
+
+
+@triton.jit
+def _qk_slice(q, k, o_k, m_tk, scale, H, K: tl.constexpr, BT: tl.constexpr):
+    """The slice's Q * scale and K tiles in fp32."""
+    o_r = tl.arange(0, BT)
+    b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    return b_q, b_k
+
+
+@triton.jit
 def _block_middles(b_gam, BT: tl.constexpr, BC: tl.constexpr):
     """From a [BT, BK] tile of gam: each BC-row block's middle row [BT // BC, BK], and
     that row repeated over the block's rows [BT, BK]."""
@@ -195,12 +218,8 @@ def kda_intra_fused_fwd_kernel(
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
     for i_s in range(tl.cdiv(K, BKA)):
-        o_k = i_s * BKA + tl.arange(0, BKA)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
-        b_g = _log_decay(g, p_tk, m_tk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K, GATE, HAS_A, HAS_BIAS)
-        b_gam = tl.cumsum(b_g, axis=0)
+        o_k, m_k, m_tk, p_tk, b_g, b_gam = _gam_slice(g, i_s, m_t, A_log, dt_bias, lower_bound, i_hv, HV, K, BT, BKA,
+                                                      GATE, HAS_A, HAS_BIAS)
         if BLOCK_REFS:
             b_mid, b_gmb = _block_middles(b_gam, BT, BC)
             b_bspread = tl.maximum(b_bspread, tl.abs(b_gam - b_gmb))
@@ -214,8 +233,7 @@ def kda_intra_fused_fwd_kernel(
             tl.store(gam + last_row * (HV * K) + o_k, b_glast, mask=m_k)
         b_dmid = b_gam - b_gmid[None, :]
         b_spread = tl.maximum(b_spread, tl.abs(b_dmid))  # elementwise; one reduction after the loop
-        b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_q, b_k = _qk_slice(q, k, o_k, m_tk, scale, H, K, BT)
         if store_qg:
             tl.store(qg + p_tk, as_stored(b_q * exp(b_gam, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty),
                      mask=m_tk)
@@ -235,15 +253,10 @@ def kda_intra_fused_fwd_kernel(
         b_akk = tl.zeros([BT, BT], dtype=tl.float32)
         b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
         for i_s in range(tl.cdiv(K, BKA)):
-            o_k = i_s * BKA + tl.arange(0, BKA)
-            m_k = o_k < K
-            m_tk = m_t[:, None] & m_k[None, :]
-            p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
-            b_gam = tl.cumsum(_log_decay(g, p_tk, m_tk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K, GATE, HAS_A,
-                                         HAS_BIAS), axis=0)
+            o_k, m_k, m_tk, p_tk, b_g, b_gam = _gam_slice(g, i_s, m_t, A_log, dt_bias, lower_bound, i_hv, HV, K, BT,
+                                                          BKA, GATE, HAS_A, HAS_BIAS)
             b_mid, b_gmb = _block_middles(b_gam, BT, BC)
-            b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
-            b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+            b_q, b_k = _qk_slice(q, k, o_k, m_tk, scale, H, K, BT)
             b_akk, b_aqk = _block_ref_dots(b_q, b_k, b_gam, b_mid, b_gmb, b_akk, b_aqk, BT, BC, DOT_PREC, FAST_EXP)
 
     if mode < 2:
@@ -260,12 +273,8 @@ def kda_intra_fused_fwd_kernel(
         # pass 2: W's columns in K slices of BK (gam formed again from g: in cache), U's in V blocks
         m_sw = m_t & ((o_r * 0 + store_w.to(tl.int32)) > 0)
         for i_k in range(tl.cdiv(K, BK)):
-            o_k = i_k * BK + tl.arange(0, BK)
-            m_k = o_k < K
-            m_wk = m_sw[:, None] & m_k[None, :]
-            p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
-            b_gam = tl.cumsum(_log_decay(g, p_tk, m_wk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K, GATE, HAS_A,
-                                         HAS_BIAS), axis=0)
+            o_k, m_k, m_wk, p_tk, b_g, b_gam = _gam_slice(g, i_k, m_sw, A_log, dt_bias, lower_bound, i_hv, HV, K, BT,
+                                                          BK, GATE, HAS_A, HAS_BIAS)
             b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
             b_w = dot(b_tm, b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), BF16_DOTS, DOT_PREC, INTERPRET)
             tl.store(w + p_tk, as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty), mask=m_wk)
@@ -279,10 +288,6 @@ def kda_intra_fused_fwd_kernel(
     elif not STORE_TM:  # (STORE_TM: stored in pass 1)
         # steep: the whole gam of the chunk for the steep launch and intra_wu_fwd's ONLY_STEEP launch
         for i_s in range(tl.cdiv(K, BKA)):
-            o_k = i_s * BKA + tl.arange(0, BKA)
-            m_k = o_k < K
-            m_tk = m_t[:, None] & m_k[None, :]
-            p_tk = (o_r[:, None]) * (HV * K) + o_k[None, :]
-            b_gam = tl.cumsum(_log_decay(g, p_tk, m_tk, A_log, dt_bias, lower_bound, i_hv, o_k, m_k, K, GATE, HAS_A,
-                                         HAS_BIAS), axis=0)
+            o_k, m_k, m_tk, p_tk, b_g, b_gam = _gam_slice(g, i_s, m_t, A_log, dt_bias, lower_bound, i_hv, HV, K, BT,
+                                                          BKA, GATE, HAS_A, HAS_BIAS)
             tl.store(gam + p_tk, b_gam, mask=m_tk)
