@@ -65,6 +65,14 @@ def _on_grid(monkeypatch, module, name, record):
     monkeypatch.setattr(module, name, Recording())
 
 
+def _four_launch_intra(monkeypatch):
+    """For a test of the four-launch intra-chunk stage's own variants: not the fused
+    stage (settings.INTRA_FUSED_FWD), whatever KDA_TEST_SETTINGS says."""
+    from kda_op.triton_kernels import settings
+
+    monkeypatch.setattr(settings, "INTRA_FUSED_FWD", 0)
+
+
 def _check_fwd_bwd(args, h0, with_dht, seed):
     """Forward and backward of the Triton kernels against the fp32 reference: o,
     final state, chunk states and the six grads (dtype, shape, finite, close).
@@ -283,6 +291,7 @@ def test_triton_short_tiles_match_full_tiles(gated, launches, monkeypatch):
     rounding, and match the reference. Lengths at and around 32 and 64, a long one
     whose last chunk is short, an empty one; with fla's bounded gate (block
     references) and without (the split at the middle row)."""
+    _four_launch_intra(monkeypatch)
     from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import fwd, settings
 
@@ -482,6 +491,7 @@ def test_triton_steep_work_lists_give_the_bits_of_the_full_grids(packed, row_pro
     chunks of all three flags (0 split, 1 block references, 2 the steep launch), in
     a batch of two and in packed sequences (with the backward's steep launch of its
     own, INTRA_BWD_A_ONE_LAUNCH = 0), by chunk or by row block (STEEP_FWD_ROW_PROGRAMS)."""
+    _four_launch_intra(monkeypatch)
     from kda_op.triton_kernels import bwd, fwd, settings
     from kda_op.triton_kernels._host import _intermediates_views, _layout
 
@@ -871,6 +881,7 @@ def test_triton_row_spreads_pick_the_paths_of_gam_spreads(T_cut, monkeypatch):
     spreads off rows of gam (settings.GAM_ROW_SPREADS) instead of gam_fwd's
     reductions: the same paths (a chunk of near-zero gates: flag 0, one of ~2.6 per
     row: 1, one of ~27: 2) and bitwise the same outputs, with a partial last chunk."""
+    _four_launch_intra(monkeypatch)
     from kda_op.triton_kernels import settings
     from kda_op.triton_kernels._host import _sizes
     from kda_op.triton_kernels.fwd import _intra_fwd
@@ -1616,6 +1627,7 @@ def test_forward_a_by_row_blocks_matches_the_dots_over_every_row(case, monkeypat
     chunks; the split at the middle row for the others), the outputs within the fp64
     reference's tolerance; no access leaves its tensor. Packed: empty sequences, one
     row, a block and one more, short chunks (the per-chunk kernel's half tiles), a long one."""
+    _four_launch_intra(monkeypatch)
     from kda_op.ops import _reference_fwd
     from kda_op.triton_kernels import fwd, settings
     from kda_op.triton_kernels._host import _intermediates_views, _layout
@@ -1891,6 +1903,7 @@ def test_diagonal_inverses_in_their_own_launch_match_the_substitution(case, monk
     sequences on their 32-row tiles (settings.SHORT_TILE), one row, a chunk and one more, a
     long one, one block a program; and with fla's bounded gate, whose A's come from the row
     programs."""
+    _four_launch_intra(monkeypatch)
     from kda_op.ops import _reference_fwd
     from kda_op.triton_kernels import fwd, settings
     from kda_op.triton_kernels._host import _intermediates_views, _layout
@@ -2006,6 +2019,7 @@ def test_triton_one_pass_forward_serves_where_it_was_built_for(monkeypatch):
     chunk states are close to the six launches', and a recomputing backward from its
     chunk states gives the grads of the six launches' chunk states. Kept intermediates,
     fp32 inputs, packed sequences, fla's gate and too few programs take the six launches."""
+    _four_launch_intra(monkeypatch)
     from kda_op.triton_kernels import fwd, one_pass_fwd, settings
 
     launches = []
