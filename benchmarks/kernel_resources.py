@@ -48,7 +48,7 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.INTRA_A_FWD_MAXNREG
     if fn.__name__ == "kda_recurrent_fwd_kernel" and S.RECURRENT_MAXNREG:
         options["maxnreg"] = S.RECURRENT_MAXNREG
-    if fn.__name__ == "kda_intra_fused_fwd_kernel" and S.INTRA_FUSED_MAXNREG:
+    if fn.__name__ == "kda_intra_fused_fwd_kernel" and S.INTRA_FUSED_MAXNREG and constexprs.get("DOT_PREC") == "tf32":
         options["maxnreg"] = S.INTRA_FUSED_MAXNREG
     if fn.__name__ == "kda_intra_a_fwd_rows_kernel" and S.INTRA_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_A_ROWS_MAXNREG

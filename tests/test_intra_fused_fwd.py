@@ -250,6 +250,7 @@ def test_fused_intra_with_fla_gate(monkeypatch, lower_bound):
     all within reach of block references, so the steep launches do not run)."""
     from kda_op.reference import kda_gate_reference
 
+    monkeypatch.setattr(S, "INTRA_FUSED_WITH_GATE", 1)
     B, T, H, G, K, V = 1, 3 * CHUNK_SIZE - 5, 1, 2, 32, 16
     HV = H * G
     x = make_inputs(B=B, T=T, H=H, G=G, K=K, V=V, dtype=torch.float64, with_initial_state=True, seed=61)
@@ -269,6 +270,10 @@ def test_fused_intra_with_fla_gate(monkeypatch, lower_bound):
     steep_wu = _spy(monkeypatch, "kda_intra_wu_fwd_kernel")
     got = kda_fwd_triton(*args, None, h0, gate=gate)
     assert fused.count == 1 and steep_wu.count == (0 if lower_bound is not None else 1)
+    monkeypatch.setattr(S, "INTRA_FUSED_WITH_GATE", 0)  # (the default) the four launches for fla's gate
+    kda_fwd_triton(*args, None, h0, gate=gate)
+    assert fused.count == 1
+    monkeypatch.setattr(S, "INTRA_FUSED_WITH_GATE", 1)
     for i, name in enumerate(("o", "final state", "chunk states")):
         _close(got[i], want[i], f"{name} vs four launches")
         _close(got[i], ref[i], f"{name} vs fp64 reference")

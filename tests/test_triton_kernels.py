@@ -1384,6 +1384,7 @@ def test_triton_traced_launches_pass_every_parameter(packed, fused, monkeypatch)
     monkeypatch.setattr(_compat, "wrap_triton", Recorder)
     from kda_op.triton_kernels import settings
     monkeypatch.setattr(settings, "INTRA_FUSED_FWD", fused)
+    monkeypatch.setattr(settings, "INTRA_FUSED_WITH_GATE", 1)  # packed: fla's gate
     if packed:
         cu, (q, k, v, g, beta), gate, _ = _packed_problem([5, 64, 70, 0, 33], seed=47, gated=True, decay=0.2)
         h0 = None

@@ -104,7 +104,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, IS_VARLEN=s["IS_VARLEN"])
-    if _intra_fused_serves(s, store_tm, traced):
+    if _intra_fused_serves(s, store_tm, gate, traced):
         _intra_fused_fwd(q, k, v, g, beta, scale, s, out, prec, common, traced, _gate_args(gate, g), store_tm,
                          qg_first, kr_last, w_first)
         return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
@@ -191,11 +191,12 @@ def _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s: dict, common: dict, trace
     )
 
 
-def _intra_fused_serves(s: dict, store_tm: bool, traced: bool) -> bool:
+def _intra_fused_serves(s: dict, store_tm: bool, gate: Optional[tuple], traced: bool) -> bool:
     """Whether the intra-chunk stage runs as one launch (settings.INTRA_FUSED_FWD,
     intra_fused_fwd.py): where nothing is kept for the backward (1), or also where Tm
     is (2: the forward that keeps its intermediates, the backward's recompute); not on
-    short packed sequences (their tiles)."""
+    short packed sequences (their tiles); with fla's gate only where
+    INTRA_FUSED_WITH_GATE (slower there: settings.py)."""
     if S.INTRA_FUSED_FWD not in (0, 1, 2):
         raise ValueError(f"settings.INTRA_FUSED_FWD: expected 0, 1 or 2, got {S.INTRA_FUSED_FWD!r}")
     if S.INTRA_FUSED_BLOCK_REFS not in (0, 1, 2):
@@ -203,7 +204,8 @@ def _intra_fused_serves(s: dict, store_tm: bool, traced: bool) -> bool:
     if S.INTRA_FUSED_DIAG_INV not in (0, 1):
         raise ValueError(f"settings.INTRA_FUSED_DIAG_INV: expected 0 or 1, got {S.INTRA_FUSED_DIAG_INV!r}")
     short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
-    return bool(S.INTRA_FUSED_FWD) and (S.INTRA_FUSED_FWD == 2 or not store_tm) and not short_tiles
+    return (bool(S.INTRA_FUSED_FWD) and (S.INTRA_FUSED_FWD == 2 or not store_tm) and not short_tiles
+            and (gate is None or bool(S.INTRA_FUSED_WITH_GATE)))
 
 
 def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, common: dict, traced: bool, ga: dict,
@@ -234,7 +236,8 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
         FAST_EXP=_fast_exp(), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
         BLOCK_REFS=block_refs, NONPOSITIVE=nonpositive, STORE_TM=store_tm,
         num_warps=S.INTRA_FUSED_WARPS, num_stages=S.INTRA_FUSED_STAGES,
-        **(dict(maxnreg=S.INTRA_FUSED_MAXNREG) if S.INTRA_FUSED_MAXNREG else {}),
+        # the cap was timed on bf16 inputs; fp32 ones (fp32 operands) spill 3.3 KB under it
+        **(dict(maxnreg=S.INTRA_FUSED_MAXNREG) if S.INTRA_FUSED_MAXNREG and q.dtype != torch.float32 else {}),
     )
     if block_refs and _no_steep_launch(ga):  # fla's bounded gate: every chunk split or by block references here
         return

@@ -559,12 +559,13 @@ ONE_PASS_MIN_PROGRAMS_PER_SM = 1
 # U, Qg and Kr of a chunk in one program; A_kk, gam and the diagonal inverses stay on
 # chip) instead of four (gam_fwd, intra_a_fwd, diag_inv, intra_wu_fwd), where the forward
 # keeps no intermediates (1), or also where it keeps them and in the backward's recompute
-# (2: then also storing gam, A_kk and Tm), or not (0). Not on short packed sequences (their tiles);
-# with fla's in-kernel gate too. Chunks too steep to split at the middle row take block
-# references here (a second pass over K, with INTRA_A_BLOCK_REFS); steeper ones go to the
-# steep launch and intra_wu_fwd's ONLY_STEEP launch (neither runs under fla's bounded gate). At B8-T8192-H16 (bf16, K = V = 128) the four launches took 1.92 of a 2.64 ms
-# forward (H200, 2026-12-05) moving about 5.3 KB a token and head; this one moves 2.4.
-# Built 2026-12-05 (thirty-first session), interpreter-tested; off until timed.
+# (2: then also storing gam, A_kk and Tm), or not (0). Not on short packed sequences (their
+# tiles); with fla's in-kernel gate only where INTRA_FUSED_WITH_GATE (timed slower there,
+# below). Chunks too steep to split at the middle row take block references here (a second
+# pass over K, with INTRA_A_BLOCK_REFS); steeper ones go to the steep launch and
+# intra_wu_fwd's ONLY_STEEP launch (neither runs under fla's bounded gate). At
+# B8-T8192-H16 (bf16, K = V = 128) the four launches took 1.92 of a 2.64 ms forward (H200,
+# 2026-12-05) moving about 5.3 KB a token and head; this one moves 2.4.
 # INTRA_FUSED_DIAG_INV: the diagonal blocks' inverses by forward substitution (0) or by
 # the product (I - D)(I + D^2)(I + D^4)(I + D^8) in batched fp32 dots (1), for 16-bit
 # inputs only: with nearly parallel keys its terms (up to C(15, 8) = 6435) cancel, and
@@ -575,15 +576,29 @@ ONE_PASS_MIN_PROGRAMS_PER_SM = 1
 # gate only (1: its chunks mostly need them), always (2) or never (0: such chunks to the
 # steep launch). At sm_90a (bf16, K = V = 128, four warps) the branch takes the kernel from
 # 252 registers and no spills to 255 and 20 B; at eight warps capped at 128, 0 -> 588 B.
+# Timed on an H100 (2026-12-05, the only card lent that session; ours alone, two rounds,
+# kernels by GPU time, benchmarks/NOTES.md): the first version (substitution, 252
+# registers, one stage) was slower than the four launches (B8-T8192-H16 2.640 against
+# 2.305 ms; B2-T8192-H8-HV32 1.300 against 1.10); the inverse product, a cap of 168
+# registers (three CTAs an SM, 108 B spilled; bf16 and fp16 inputs only: fp32 ones spill
+# 3.3 KB under it) and two stages, the values below, make it
+# faster: the no-grad forward 3.095 -> 2.944 ms at B8 (-4.9%; the stage 2.305 -> 2.155) and
+# 1.712 -> 1.678 at B2 (-2.0%). K slices of 64 with the cap: slower (3.51 ms at B8); eight
+# warps capped at 128: 4.64 ms. With fla's gate (layer-style B2, the first version) the
+# stage took 2.38 ms against the four launches' 1.11 (the block references' second pass),
+# hence INTRA_FUSED_WITH_GATE = 0. INTRA_FUSED_FWD = 2 (the first version) made the
+# training step slower (12.53 -> 13.15 ms at B8). Off until the H200 confirms the gain with
+# the whole CUDA suite under it (the fused stage's own CUDA tests passed on the H100).
 INTRA_FUSED_FWD = 0
+INTRA_FUSED_WITH_GATE = 0
 INTRA_FUSED_BLOCK_REFS = 1
-INTRA_FUSED_DIAG_INV = 0
+INTRA_FUSED_DIAG_INV = 1
 INTRA_FUSED_BKA = 32
 INTRA_FUSED_BK = 32
 INTRA_FUSED_BV = 32
 INTRA_FUSED_WARPS = 4
-INTRA_FUSED_STAGES = 1
-INTRA_FUSED_MAXNREG = None
+INTRA_FUSED_STAGES = 2
+INTRA_FUSED_MAXNREG = 168
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
 GVA_ROWS = 32
 # Where each key head has one value head (G = 1: nothing to sum), the backward through the
