@@ -24,27 +24,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("no GPU and TRITON_INTERPRET is not set", allow_module_level=True)
 
-NAMES = ("q", "k", "v", "g", "beta")
-# as tests/test_triton_kernels.py: fp32 throughout (3xTF32 dots on a GPU), summed in
-# another order than the token loop
-FP32_TOL = dict(rtol=2e-4, atol=2e-5)
+# the one-pass forward's fresh inputs with their fp64 reference, and its fp32 comparison;
+# test_triton_kernels' launch recorder
+from test_one_pass_fwd import NAMES, _close, _problem, _steeper_second_chunk  # noqa: E402
+from test_triton_kernels import _on_launch  # noqa: E402
 
 
-class _Launches:
-    """Counts the launches of a Triton kernel (``kernel[grid](...)``) and passes them on."""
-
-    def __init__(self, kernel):
-        self.kernel, self.count = kernel, 0
-
-    def __getitem__(self, grid):
-        self.count += 1
-        return self.kernel[grid]
-
-
-def _spy(monkeypatch, name: str) -> _Launches:
-    spy = _Launches(getattr(fwd_module, name))
-    monkeypatch.setattr(fwd_module, name, spy)
-    return spy
+def _spy(monkeypatch, name: str) -> list:
+    """The launches of fwd.py's kernel ``name`` from here on (one entry each)."""
+    launches = []
+    _on_launch(monkeypatch, fwd_module, name, launches.append)
+    return launches
 
 
 def _fused(monkeypatch, on, diag_inv: int = 0):
@@ -52,29 +42,6 @@ def _fused(monkeypatch, on, diag_inv: int = 0):
     monkeypatch.setattr(S, "RECURRENT_MAX_T", 0)  # short sequences through the chunked kernels too
     monkeypatch.setattr(S, "INTRA_FUSED_FWD", int(on))
     monkeypatch.setattr(S, "INTRA_FUSED_DIAG_INV", diag_inv)
-
-
-def _problem(B, T, H, G, K, V, with_h0, seed, dtype=torch.float32, steep=None):
-    """Fresh inputs (g fp32, the rest in ``dtype``; the state fp32) and the fp64
-    reference on those same values. ``steep``: a function that edits g in place."""
-    x = make_inputs(B=B, T=T, H=H, G=G, K=K, V=V, dtype=torch.float64, with_initial_state=with_h0, seed=seed)
-    g = x["g"].float()
-    if steep is not None:
-        steep(g)
-    args = [g if n == "g" else x[n].to(dtype) for n in NAMES]
-    h0 = None if x["initial_state"] is None else x["initial_state"].float()
-    ref = kda_forward_reference(*[a.double() for a in args], None, None if h0 is None else h0.double())
-    return [a.to(DEVICE) for a in args], None if h0 is None else h0.to(DEVICE), ref
-
-
-def _close(got, want, name, tol=FP32_TOL):
-    torch.testing.assert_close(got.cpu().double(), want.cpu().double(), **tol, msg=lambda m: f"{name}: {m}")
-
-
-def _steep_second_chunk(drop):
-    def edit(g):
-        g[:, CHUNK_SIZE:2 * CHUNK_SIZE] -= drop
-    return edit
 
 
 SHAPES = [
@@ -97,7 +64,7 @@ def test_fused_intra_matches_reference_and_four_launches(monkeypatch, shape, dia
     fused = _spy(monkeypatch, "kda_intra_fused_fwd_kernel")
     gam = _spy(monkeypatch, "kda_gam_fwd_kernel")
     got = kda_fwd_triton(*args, None, h0)
-    assert fused.count == 1 and gam.count == 0  # the one launch replaced the stage
+    assert len(fused) == 1 and len(gam) == 0  # the one launch replaced the stage
     for i, name in enumerate(("o", "final state", "chunk states")):
         _close(got[i], want[i], f"{name} vs four launches")
         _close(got[i], ref[i], f"{name} vs fp64 reference")
@@ -110,12 +77,12 @@ def test_fused_intra_steep_chunks(monkeypatch, drop, flag):
     block references in the fused kernel. By 9 (72 > 60): flagged 2, its A's by the
     steep launch and its W, U by intra_wu_fwd's ONLY_STEEP launch from the gam the
     fused kernel stored. The other chunks split at their middle rows (0)."""
-    args, h0, ref = _problem(1, 3 * CHUNK_SIZE - 7, 1, 2, 32, 24, True, seed=11, steep=_steep_second_chunk(drop))
+    args, h0, ref = _problem(1, 3 * CHUNK_SIZE - 7, 1, 2, 32, 24, True, seed=11, steep=_steeper_second_chunk(drop))
     _fused(monkeypatch, True)
     monkeypatch.setattr(S, "INTRA_FUSED_BLOCK_REFS", 2)  # block references for a plain g too
     steep_wu = _spy(monkeypatch, "kda_intra_wu_fwd_kernel")
     got = kda_fwd_triton(*args, None, h0)
-    assert steep_wu.count == 1
+    assert len(steep_wu) == 1
     for i, name in enumerate(("o", "final state", "chunk states")):
         _close(got[i], ref[i], f"{name} vs fp64 reference")
     # the flags the fused kernel wrote: only the second chunk is steep, in both value heads
@@ -154,14 +121,14 @@ def test_fused_intra_packed_sequences(monkeypatch):
     _fused(monkeypatch, True)
     fused = _spy(monkeypatch, "kda_intra_fused_fwd_kernel")
     got = kda_fwd_triton(*args, None, h0.float().to(DEVICE), cu_seqlens=cu_d)
-    assert fused.count == 1
+    assert len(fused) == 1
     for i, name in enumerate(("o", "final states", "chunk states")):
         _close(got[i], want[i], f"{name} vs four launches")
     _close(got[0], ref_o, "o vs fp64 reference")
     _close(got[1], ref_ht, "final states vs fp64 reference")
     monkeypatch.setattr(S, "SHORT_TILE", 32)
     kda_fwd_triton(*args, None, h0.float().to(DEVICE), cu_seqlens=cu_d)
-    assert fused.count == 1
+    assert len(fused) == 1
 
 
 def test_fused_intra_forward_that_keeps_nothing(monkeypatch):
@@ -201,9 +168,9 @@ def test_fused_intra_is_not_used_where_it_does_not_serve(monkeypatch):
     _fused(monkeypatch, True)
     fused = _spy(monkeypatch, "kda_intra_fused_fwd_kernel")
     kda_fwd_triton(*args, None, h0, keep_intermediates=True)
-    assert fused.count == 0
+    assert len(fused) == 0
     kda_fwd_triton(*args, None, h0)
-    assert fused.count == 1
+    assert len(fused) == 1
     monkeypatch.setattr(S, "INTRA_FUSED_FWD", 3)
     with pytest.raises(ValueError, match="INTRA_FUSED_FWD"):
         kda_fwd_triton(*args, None, h0)
@@ -269,10 +236,10 @@ def test_fused_intra_with_fla_gate(monkeypatch, lower_bound):
     fused = _spy(monkeypatch, "kda_intra_fused_fwd_kernel")
     steep_wu = _spy(monkeypatch, "kda_intra_wu_fwd_kernel")
     got = kda_fwd_triton(*args, None, h0, gate=gate)
-    assert fused.count == 1 and steep_wu.count == (0 if lower_bound is not None else 1)
+    assert len(fused) == 1 and len(steep_wu) == (0 if lower_bound is not None else 1)
     monkeypatch.setattr(S, "INTRA_FUSED_WITH_GATE", 0)  # (the default) the four launches for fla's gate
     kda_fwd_triton(*args, None, h0, gate=gate)
-    assert fused.count == 1
+    assert len(fused) == 1
     monkeypatch.setattr(S, "INTRA_FUSED_WITH_GATE", 1)
     for i, name in enumerate(("o", "final state", "chunk states")):
         _close(got[i], want[i], f"{name} vs four launches")
@@ -293,14 +260,14 @@ def test_fused_intra_keeps_the_intermediates(monkeypatch):
     from kda_op.triton_kernels import kda_bwd_triton
     from kda_op.triton_kernels._host import _intermediates_views, _layout
 
-    args, h0, ref = _problem(1, 3 * CHUNK_SIZE - 11, 1, 2, 32, 24, True, seed=71, steep=_steep_second_chunk(9.0))
+    args, h0, ref = _problem(1, 3 * CHUNK_SIZE - 11, 1, 2, 32, 24, True, seed=71, steep=_steeper_second_chunk(9.0))
     _fused(monkeypatch, False)
     *want, kept_want = kda_fwd_triton(*args, None, h0, keep_intermediates=True)
     _fused(monkeypatch, 2)
     fused = _spy(monkeypatch, "kda_intra_fused_fwd_kernel")
     plain = kda_fwd_triton(*args, None, h0)
     *got, kept = kda_fwd_triton(*args, None, h0, keep_intermediates=True)
-    assert fused.count == 2
+    assert len(fused) == 2
     for i, name in enumerate(("o", "final state", "chunk states")):
         assert torch.equal(got[i], plain[i]), name
         _close(got[i], want[i], f"{name} vs four launches")
@@ -316,7 +283,7 @@ def test_fused_intra_keeps_the_intermediates(monkeypatch):
     dht = torch.randn(got[1].shape, generator=gen).to(DEVICE)
     from_kept = kda_bwd_triton(*args, None, h0, got[2], do, dht, kept)
     recomputed = kda_bwd_triton(*args, None, h0, got[2], do, dht)
-    assert fused.count == 3  # the recompute took the fused stage too
+    assert len(fused) == 3  # the recompute took the fused stage too
     grads_ref = kda_backward_reference(*[a.double().cpu() for a in args], None, h0.double().cpu(),
                                        ref[2], do.double().cpu(), dht.double().cpu())
     for name, a, b, r in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), from_kept, recomputed, grads_ref):

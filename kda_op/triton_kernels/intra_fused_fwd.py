@@ -29,13 +29,9 @@ and leaves its A's to intra_a_fwd.py's steep launch and its Tm, W and U to
 intra_wu_fwd.py's ONLY_STEEP launch, which the host runs after this one
 (fwd._intra_fused_fwd). fla's in-kernel gate (GATE) is applied to g as it is read.
 
-DIAG_INV_METHOD, the inverses of I + D for the four 16 x 16 diagonal blocks D of
-M = diag(beta) A_kk, held in registers as [NB, BC, BC]:
-  0  forward substitution, BC - 1 dependent steps, each row cut out by a reduction
-     (intra_wu_fwd.py's way without its row loads, which read A_kk from memory);
-  1  the product (I - D)(I + D^2)(I + D^4)(I + D^8), exact for a strictly lower
-     16 x 16 D (D^16 = 0): six batched [NB, BC, BC] dots in fp32 (ieee), no
-     dependent row steps.
+DIAG_INV_METHOD: how the inverses of I + D for the four 16 x 16 diagonal blocks D of
+M = diag(beta) A_kk are formed in registers (intra_wu_fwd.diag_block_inverses: 0
+forward substitution, 1 a product of batched dots).
 """
 
 from __future__ import annotations
@@ -48,35 +44,7 @@ from ._gate import gate_fwd, gate_params
 from ._indexing import chunk_coords, chunk_in_sequence
 from ._math import exp
 from .intra_a_fwd import _split_a_dots
-from .intra_wu_fwd import tm_from_block_inverses
-
-
-@triton.jit
-def _diag_block_inverses(b_m, R: tl.constexpr, BC: tl.constexpr, METHOD: tl.constexpr):
-    """[R, R]: the inverses of I + D for the BC x BC diagonal blocks D of ``b_m``
-    (strictly lower), zero off those blocks. METHOD as in the module docstring."""
-    NB: tl.constexpr = R // BC
-    o_b = tl.arange(0, NB)
-    o_c = tl.arange(0, BC)
-    same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
-    b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
-    b_eye = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
-    if METHOD == 1:
-        b_x = b_eye - b_d
-        b_dp = tl.dot(b_d, b_d, input_precision="ieee")  # D^2
-        b_x = tl.dot(b_x, b_eye + b_dp, input_precision="ieee")
-        b_dp = tl.dot(b_dp, b_dp, input_precision="ieee")  # D^4
-        b_x = tl.dot(b_x, b_eye + b_dp, input_precision="ieee")
-        b_dp = tl.dot(b_dp, b_dp, input_precision="ieee")  # D^8
-        b_x = tl.dot(b_x, b_eye + b_dp, input_precision="ieee")
-    else:
-        b_x = b_eye
-        for i in range(1, BC):
-            row = (o_c == i)
-            b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
-            b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
-            b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
-    return tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
+from .intra_wu_fwd import diag_block_inverses, tm_from_block_inverses
 
 
 @triton.jit
@@ -266,7 +234,7 @@ def kda_intra_fused_fwd_kernel(
         # M = diag(beta) A_kk, strictly lower (entries above the diagonal may be inf: dropped)
         b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
         b_m = tl.where(o_r[:, None] > o_r[None, :], b_beta[:, None] * b_akk, 0.0)
-        b_tm = tm_from_block_inverses(b_m, _diag_block_inverses(b_m, BT, BC, DIAG_INV_METHOD), BT, BC, DOT_PREC)
+        b_tm = tm_from_block_inverses(b_m, diag_block_inverses(b_m, BT, BC, DIAG_INV_METHOD), BT, BC, DOT_PREC)
         if STORE_TM:
             tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
             tl.store(tm + p_a, b_tm, mask=m_t[:, None])

@@ -113,26 +113,24 @@ def _wu_chunk(
         b_dinv = tl.load(dinv + o_t[:, None] * (HV * BC) + (o_r % BC)[None, :], mask=m_t[:, None] & same,
                          other=0.0)
         b_dinv = tl.where(~m_t[:, None] & (o_t[:, None] == o_r[None, :]), 1.0, b_dinv)
-    else:
+    elif TM_ROW_LOADS:
+        # the substitution of diag_block_inverses with row i of every block loaded again
+        # (A_kk was just read: cache hits) rather than cut out of M by a cross-warp reduction
         o_b = tl.arange(0, NB)
         same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
-        b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
         b_x = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
         for i in range(1, BC):
             row = (o_c == i)
-            if TM_ROW_LOADS:
-                # row i of every block loaded again (A_kk was just read: cache hits)
-                # rather than cut out of b_d by a cross-warp reduction
-                t_i = o_b * BC + i
-                m_i = t_i < T
-                b_bi = tl.load(beta + t_i * HV, mask=m_i, other=0.0).to(tl.float32)
-                b_di = b_bi[:, None] * tl.load(akk + t_i[:, None] * (HV * BT) + (o_b * BC)[:, None] + o_c[None, :],
-                                               mask=m_i[:, None] & (o_c[None, :] < i), other=0.0)
-            else:
-                b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
+            t_i = o_b * BC + i
+            m_i = t_i < T
+            b_bi = tl.load(beta + t_i * HV, mask=m_i, other=0.0).to(tl.float32)
+            b_di = b_bi[:, None] * tl.load(akk + t_i[:, None] * (HV * BT) + (o_b * BC)[:, None] + o_c[None, :],
+                                           mask=m_i[:, None] & (o_c[None, :] < i), other=0.0)
             b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
             b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
         b_dinv = tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
+    else:
+        b_dinv = diag_block_inverses(b_m, R, BC, 0)
     b_tm = tm_from_block_inverses(b_m, b_dinv, R, BC, DOT_PREC)
     if STORE_TM:
         tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], b_tm, mask=m_t[:, None])
@@ -185,3 +183,36 @@ def tm_from_block_inverses(b_m, b_dinv, R: tl.constexpr, BC: tl.constexpr, DOT_P
     else:
         b_tm = tl.dot(b_eye - b_p, b_dinv, input_precision=DOT_PREC)
     return b_tm
+
+
+@triton.jit
+def diag_block_inverses(b_m, R: tl.constexpr, BC: tl.constexpr, METHOD: tl.constexpr):
+    """[R, R]: the inverses of I + D for the BC x BC diagonal blocks D of ``b_m``
+    (strictly lower, in registers), zero off those blocks, the NB blocks side by side
+    on [NB, BC, BC]. METHOD 0: forward substitution, BC - 1 dependent steps, each row
+    cut out of D by a reduction. 1: the product (I - D)(I + D^2)(I + D^4)(I + D^8),
+    exact for a strictly lower 16 x 16 D (D^16 = 0): six batched fp32 (ieee) dots, no
+    dependent row steps; its terms cancel where the keys are nearly parallel (fp32
+    inputs lose two digits: intra_fused_fwd.py takes it for 16-bit inputs only)."""
+    NB: tl.constexpr = R // BC
+    o_b = tl.arange(0, NB)
+    o_c = tl.arange(0, BC)
+    same_block = (o_b[:, None, None, None] == o_b[None, None, :, None])  # [NB, 1, NB, 1]
+    b_d = tl.sum(tl.where(same_block, tl.reshape(b_m, (NB, BC, NB, BC)), 0.0), 2)  # [NB, BC, BC]
+    b_eye = tl.where((o_c[:, None] == o_c[None, :])[None, :, :], 1.0, 0.0) + tl.zeros([NB, BC, BC], dtype=tl.float32)
+    if METHOD == 1:
+        b_x = b_eye - b_d
+        b_dp = tl.dot(b_d, b_d, input_precision="ieee")  # D^2
+        b_x = tl.dot(b_x, b_eye + b_dp, input_precision="ieee")
+        b_dp = tl.dot(b_dp, b_dp, input_precision="ieee")  # D^4
+        b_x = tl.dot(b_x, b_eye + b_dp, input_precision="ieee")
+        b_dp = tl.dot(b_dp, b_dp, input_precision="ieee")  # D^8
+        b_x = tl.dot(b_x, b_eye + b_dp, input_precision="ieee")
+    else:
+        b_x = b_eye
+        for i in range(1, BC):
+            row = (o_c == i)
+            b_di = tl.sum(tl.where(row[None, :, None], b_d, 0.0), 1)  # row i of every block, [NB, BC]
+            b_row = tl.where(row[None, :], 1.0, 0.0) - tl.sum(b_di[:, :, None] * b_x, 1)
+            b_x = tl.where(row[None, :, None], b_row[:, None, :], b_x)
+    return tl.reshape(tl.where(same_block, b_x[:, :, None, :], 0.0), (R, R))
