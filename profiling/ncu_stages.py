@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from bench_chunk_kda import LAYER_FLAGS, launch_settings, make_layer_inputs  # noqa: E402
+from bench_chunk_kda import LAYER_FLAGS, launch_settings, make_inputs, make_layer_inputs  # noqa: E402
 
 from kda_op import chunk_kda  # noqa: E402
 
@@ -43,13 +43,19 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2, help="steps after the first (compiling) one")
     parser.add_argument("--backward", action="store_true", help="forward+backward steps (default: forward only)")
     parser.add_argument("--set", default="", help='settings for the run, e.g. "INTRA_A_ROWS_WARPS=2"')
+    parser.add_argument("--standard", action="store_true",
+                        help="the standard inputs of bench_chunk_kda.py (g given, an initial state) instead of "
+                             "layer-style ones")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ncu_stages.py runs the CUDA kernels: no GPU here")
     B, T, H, HV = parse_shape(args.shape)
-    inputs, params, do = make_layer_inputs(B, T, H, HV)
-    q, k, v, g, beta = inputs
-    kwargs = dict(LAYER_FLAGS, **params, output_final_state=False)
+    if args.standard:
+        (q, k, v, g, beta, h0), do = make_inputs(B, T, H, HV)
+        kwargs = dict(initial_state=h0, output_final_state=True)
+    else:
+        (q, k, v, g, beta), params, do = make_layer_inputs(B, T, H, HV)
+        kwargs = dict(LAYER_FLAGS, **params, output_final_state=False)
     with launch_settings(args.set)():
         for _ in range(1 + args.steps):
             if args.backward:
@@ -59,7 +65,7 @@ def main() -> int:
                 with torch.no_grad():
                     chunk_kda(q, k, v, g, beta, **kwargs)
         torch.cuda.synchronize()
-    print(f"ncu_stages: {args.shape}, {1 + args.steps} {'steps' if args.backward else 'forwards'}"
+    print(f"ncu_stages: {args.shape}{' standard' if args.standard else ' layer-style'}, {1 + args.steps} {'steps' if args.backward else 'forwards'}"
           f"{', ' + args.set if args.set else ''}")
     return 0
 

@@ -158,6 +158,28 @@ def test_too_long_a_sequence_is_refused_not_wrapped():
         _check_offsets(64, 2**19, 64, 64)  # one chunk: 2^31 elements
 
 
+def _three_path_inputs(T_cut: int, K: int, seed: int) -> dict:
+    """Three chunks (the last ``T_cut`` rows short), G = 2, V = 16, an initial state, one
+    chunk per path of the intra-chunk kernels: ordinary gates (split at the middle row),
+    -3 per token and channel with two -20 spikes (32 rows: 96 > MAX_SPLIT; 8 rows from a
+    block's middle: 24 + 20 <= MAX_SPLIT, so block references), and -9 (8 rows: 72 >
+    MAX_SPLIT: the steep launch)."""
+    from kda_op.triton_kernels.settings import MAX_SPLIT
+
+    C = CHUNK_SIZE
+    inputs = _inputs(1, 3 * C - T_cut, 1, 2, K, 16, True, seed=seed)
+    g = inputs["g"].clone()
+    jitter = 0.5 * torch.rand(g[:, C:].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    g[:, C:] = jitter
+    g[:, C:2 * C] -= 3.0
+    g[:, C + 5] = -20.0
+    g[:, C + 40] = -20.0
+    g[:, 2 * C:] -= 9.0
+    assert 32 * 2.5 > MAX_SPLIT and 8 * 3 + 20 <= MAX_SPLIT and 8 * 8.5 > MAX_SPLIT
+    inputs["g"] = g
+    return inputs
+
+
 # intra_a_fwd's split factors overflow on the steep chunks (dropped there): the
 # interpreter's numpy says so.
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -178,23 +200,12 @@ def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, block_refs, common_
     with common_refs the forward forms the second chunk's A's in the common
     kernel (steep flag 1), the third's in the steep launch (2)."""
     from kda_op.triton_kernels import settings
-    from kda_op.triton_kernels.settings import MAX_SPLIT
 
     monkeypatch.setattr(settings, "STEEP_BLOCK_REFS", block_refs)
     monkeypatch.setattr(settings, "INTRA_A_BLOCK_REFS", common_refs)
 
-    B, T, H, G, K, V = 1, 3 * CHUNK_SIZE - T_cut, 1, 2, 16, 16
-    C = CHUNK_SIZE
-    inputs = _inputs(B, T, H, G, K, V, True, seed=11 + T_cut)
-    g = inputs["g"].clone()
-    jitter = 0.5 * torch.rand(g[:, C:].shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    g[:, C:] = jitter
-    g[:, C:2 * C] -= 3.0
-    g[:, C + 5] = -20.0
-    g[:, C + 40] = -20.0
-    g[:, 2 * C:] -= 9.0
-    assert 32 * 2.5 > MAX_SPLIT and 8 * 3 + 20 <= MAX_SPLIT and 8 * 8.5 > MAX_SPLIT
-    inputs["g"] = g
+    K = 16
+    inputs = _three_path_inputs(T_cut, K, seed=11 + T_cut)
     _check_fwd_bwd([inputs[n] for n in NAMES], inputs["initial_state"], True, seed=8)
     from kda_op.triton_kernels.fwd import _intra_fwd
     from kda_op.triton_kernels._host import _sizes
@@ -922,6 +933,32 @@ def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
     assert results[1][3].numel() > 0  # the intermediates were kept
     for per_slice, tiled in zip(*results):
         assert torch.equal(_bytes(per_slice), _bytes(tiled))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T_cut", [0, 19])  # 19: the steep chunk is also the partial last one
+def test_triton_intra_a_mode_loops_give_the_same_bits(dtype, T_cut, monkeypatch):
+    """settings.INTRA_A_MODE_LOOPS (intra_a_fwd's K loop written once per path, the
+    path known before it): every output of the intra-chunk stage bitwise as with the
+    one loop that branches on the path, on three chunks that take the split (0), the
+    block references (1) and the steep launch (2), the flags asserted."""
+    from kda_op.triton_kernels import settings
+    from kda_op.triton_kernels._host import _sizes
+    from kda_op.triton_kernels.fwd import _intra_fwd
+
+    monkeypatch.setattr(settings, "INTRA_FUSED_FWD", 0)  # the four launches
+    monkeypatch.setattr(settings, "INTRA_A_BLOCK_REFS", 1)
+    inputs = _three_path_inputs(T_cut, 48, seed=61 + T_cut)  # K = 48: a partial K slice
+    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+    results = []
+    for loops in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_A_MODE_LOOPS", loops)
+        results.append(_intra_fwd(*args, 48 ** -0.5, _sizes(args[0], args[2]), store_tm=True))
+    assert results[1]["steep"][0, :, 0].tolist() == [0, 1, 2]
+    for name in results[0]:
+        assert torch.equal(_bytes(results[0][name]), _bytes(results[1][name])), name
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

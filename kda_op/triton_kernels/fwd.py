@@ -144,8 +144,9 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
             SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
             NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
-            BKR=min(128, _pow2(K)), QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(), **tiling,
-            num_warps=S.INTRA_A_FWD_WARPS, **regs,
+            BKR=min(128, _pow2(K)), QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(),
+            MODE_LOOPS=bool(S.INTRA_A_MODE_LOOPS), **tiling,
+            num_warps=S.INTRA_A_FWD_WARPS, num_stages=S.INTRA_A_FWD_STAGES, **regs,
         )
     if not _no_steep_launch(ga):
         _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s, common, traced)

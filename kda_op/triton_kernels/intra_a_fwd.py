@@ -90,9 +90,10 @@ def kda_intra_a_fwd_kernel(
     BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16, ROW_SPREADS: tl.constexpr = False,
     BKR: tl.constexpr = 64, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
     PICK_TILE: tl.constexpr = 0, QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False, MODE_LOOPS: tl.constexpr = False,
 ):
     # FAST_EXP: _math.exp without subnormals.
+    # MODE_LOOPS (with GAM_IN; settings.INTRA_A_MODE_LOOPS): a K loop per path (_a_slices).
     # TILE (packed sequences, with GAM_IN): a launch for the chunks of at most TILE rows
     # (half a chunk), on [TILE, TILE] tiles instead of [BT, BT]; its programs return at
     # once for longer chunks, and the launch at BT skips the chunks of at most
@@ -158,16 +159,65 @@ def kda_intra_a_fwd_kernel(
         if T <= PICK_TILE:
             _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
                      K, BT, PICK_TILE, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
-                     ROW_SPREADS, BKR, FAST_EXP)
+                     ROW_SPREADS, BKR, FAST_EXP, MODE_LOOPS)
         else:
             _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
                      K, BT, BT, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
-                     ROW_SPREADS, BKR, FAST_EXP)
+                     ROW_SPREADS, BKR, FAST_EXP, MODE_LOOPS)
     else:
         R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
         _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
                  K, BT, R, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
-                 ROW_SPREADS, BKR, FAST_EXP)
+                 ROW_SPREADS, BKR, FAST_EXP, MODE_LOOPS)
+
+
+@triton.jit
+def _qk_slice_stores(q, k, qg, kr, b_gam, b_glast, store_qg, store_kr, scale, o_t, o_k, m_tk, p_tk, H, HV,
+                     K: tl.constexpr, INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr):
+    """One K slice's Q * scale and K in fp32, with its Qg and Kr stored where asked."""
+    b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+    if store_qg:
+        tl.store(qg + p_tk, as_stored(b_q * exp(b_gam, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
+    if store_kr:
+        tl.store(kr + p_tk, as_stored(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), kr,
+                                      INTERPRET).to(kr.dtype.element_ty), mask=m_tk)
+    return b_q, b_k
+
+
+@triton.jit
+def _a_slices(q, k, gam, qg, kr, store_qg, store_kr, scale, T, H, HV, o_t, o_gt, m_t, b_akk, b_aqk,
+              K: tl.constexpr, BT: tl.constexpr, R: tl.constexpr, BKA: tl.constexpr, DOT_PREC: tl.constexpr,
+              BC: tl.constexpr, INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr, mode, MODE: tl.constexpr):
+    """_a_chunk's loop over K slices where gam is read (GAM_IN): Qg and Kr stored, and
+    both A's accumulated split at the middle row (path ``MODE`` 0), by block references
+    (1), or not at all (2: the steep launch forms them): the loop of path ``MODE`` alone
+    (settings.INTRA_A_MODE_LOOPS), or with ``MODE`` -1 one loop that branches on the
+    runtime path ``mode`` around its dots."""
+    for i_s in range(tl.cdiv(K, BKA)):
+        o_k = i_s * BKA + tl.arange(0, BKA)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
+        b_gam = tl.load(gam + (o_gt[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
+        b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
+        if MODE < 0:
+            b_dmid = b_gam - tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)[None, :]
+        b_q, b_k = _qk_slice_stores(q, k, qg, kr, b_gam, b_glast, store_qg, store_kr, scale, o_t, o_k, m_tk, p_tk,
+                                    H, HV, K, INTERPRET, FAST_EXP)
+        if MODE < 0:
+            if mode == 0:
+                b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
+            elif mode == 1:
+                b_akk, b_aqk = _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV, K, R, BC,
+                                                 DOT_PREC, FAST_EXP)
+        elif MODE == 0:
+            b_gmid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)
+            b_akk, b_aqk = _split_a_dots(b_q, b_k, b_gam - b_gmid[None, :], b_akk, b_aqk, DOT_PREC, FAST_EXP)
+        elif MODE == 1:
+            b_akk, b_aqk = _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV, K, R, BC,
+                                             DOT_PREC, FAST_EXP)
+    return b_akk, b_aqk
 
 
 @triton.jit
@@ -177,7 +227,7 @@ def _a_chunk(
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr,
     GAM_IN: tl.constexpr, INTERPRET: tl.constexpr, NKB: tl.constexpr,
     BLOCK_REFS: tl.constexpr, BC: tl.constexpr, ROW_SPREADS: tl.constexpr, BKR: tl.constexpr,
-    FAST_EXP: tl.constexpr,
+    FAST_EXP: tl.constexpr, MODE_LOOPS: tl.constexpr = False,
 ):
     """One chunk's gam (without GAM_IN), A's, steep flag, Qg and Kr on [R, R] tiles
     (R = BT, or a short chunk's tile). The pointers are at the chunk's first row and
@@ -232,41 +282,40 @@ def _a_chunk(
             mode = tl.where(chunk_spread <= MAX_SPLIT, 0, tl.where(block_spread <= MAX_SPLIT, 1, 2))
         else:
             mode = tl.where(chunk_spread <= MAX_SPLIT, 0, 2)
-    for i_s in range(tl.cdiv(K, BKA)):
-        o_k = i_s * BKA + tl.arange(0, BKA)
-        m_k = o_k < K
-        m_tk = m_t[:, None] & m_k[None, :]
-        p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
-        if GAM_IN:
-            b_gam = tl.load(gam + (o_gt[:, None]) * (HV * K) + o_k[None, :], mask=m_k[None, :], other=0.0)
-            b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
-            b_gmid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)
+        if MODE_LOOPS:
+            # the path is known before the K loop: a loop of its own each (the path a
+            # constexpr there), so that the common split path carries none of the block
+            # references' registers nor a branch around its dots
+            if mode == 0:
+                b_akk, b_aqk = _a_slices(q, k, gam, qg, kr, store_qg, store_kr, scale, T, H, HV, o_t, o_gt, m_t,
+                                         b_akk, b_aqk, K, BT, R, BKA, DOT_PREC, BC, INTERPRET, FAST_EXP, mode, 0)
+            elif mode == 1:
+                b_akk, b_aqk = _a_slices(q, k, gam, qg, kr, store_qg, store_kr, scale, T, H, HV, o_t, o_gt, m_t,
+                                         b_akk, b_aqk, K, BT, R, BKA, DOT_PREC, BC, INTERPRET, FAST_EXP, mode, 1)
+            else:
+                b_akk, b_aqk = _a_slices(q, k, gam, qg, kr, store_qg, store_kr, scale, T, H, HV, o_t, o_gt, m_t,
+                                         b_akk, b_aqk, K, BT, R, BKA, DOT_PREC, BC, INTERPRET, FAST_EXP, mode, 2)
         else:
+            b_akk, b_aqk = _a_slices(q, k, gam, qg, kr, store_qg, store_kr, scale, T, H, HV, o_t, o_gt, m_t,
+                                     b_akk, b_aqk, K, BT, R, BKA, DOT_PREC, BC, INTERPRET, FAST_EXP, mode, -1)
+    else:
+        for i_s in range(tl.cdiv(K, BKA)):
+            o_k = i_s * BKA + tl.arange(0, BKA)
+            m_k = o_k < K
+            m_tk = m_t[:, None] & m_k[None, :]
+            p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
             b_gam = tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
             tl.store(gam + p_tk, b_gam, mask=m_tk)
             b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
             b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
-        b_dmid = b_gam - b_gmid[None, :]
-        if not GAM_IN:
+            b_dmid = b_gam - b_gmid[None, :]
             if SPREAD_TILE:
                 # elementwise here, one cross-warp reduction after the loop
                 b_spread = tl.maximum(b_spread, tl.abs(b_dmid))
             else:
                 spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_dmid), 1), 0))
-        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        if store_qg:
-            tl.store(qg + p_tk, as_stored(b_q * exp(b_gam, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty), mask=m_tk)
-        if store_kr:
-            tl.store(kr + p_tk, as_stored(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), kr,
-                                          INTERPRET).to(kr.dtype.element_ty), mask=m_tk)
-        if GAM_IN:
-            if mode == 0:
-                b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
-            elif mode == 1:
-                b_akk, b_aqk = _block_ref_a_dots(b_q, b_k, b_gam, gam, o_k, m_k, T, b_akk, b_aqk, HV, K, R, BC,
-                                                 DOT_PREC, FAST_EXP)
-        else:
+            b_q, b_k = _qk_slice_stores(q, k, qg, kr, b_gam, b_glast, store_qg, store_kr, scale, o_t, o_k, m_tk,
+                                        p_tk, H, HV, K, INTERPRET, FAST_EXP)
             b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
     if not GAM_IN:
         if SPREAD_TILE:
