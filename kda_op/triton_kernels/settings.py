@@ -120,15 +120,17 @@ INTRA_A_SPREAD_TILE = 1
 # intra_a_fwd with gam read (INTRA_GAM_KERNEL): a K loop per path (split at the middle
 # row, block references, none; _a_slices), the path known before the loop, instead of one
 # loop branching on it around its dots (1); the same values (bitwise under the
-# interpreter, tests). sm_90a (Triton 3.6, bf16, K = 128, the cap of 168): the split loop
-# 1203 -> 851 instructions a K slice, its loads now taken by the pipeliner (async copies;
-# shared 16 -> 49 KB, still three CTAs an SM) and no spill inside it (48 LDL a slice
-# before). Timed on an H100 (2026-12-05, thirty-second session, ours alone, two rounds,
-# kernels by GPU time): kda_intra_a_fwd 1.092 -> 0.833 ms at B8-T8192-H16 (forward 3.092 ->
+# interpreter, tests; the default path compiles to the same SASS as before). sm_90a (Triton
+# 3.6, bf16, K = 128, the cap of 168): the split loop 1203 -> 617 instructions a K slice,
+# its loads now taken by the pipeliner (async copies; shared 16 -> 49 KB, still three CTAs
+# an SM) and no spill inside it (48 LDL a slice before). The form timed (its first, 851
+# instructions a slice, also without spills) differed from this one only in where the
+# middle row of gam is loaded. Timed on an H100 (2026-12-05, thirty-second session, ours
+# alone, two rounds, kernels by GPU time): kda_intra_a_fwd 1.092 -> 0.833 ms at B8-T8192-H16 (forward 3.092 ->
 # 2.826 ms, step 12.48 -> 12.23), 0.493 -> 0.405 at B2-T8192-H8-HV32 (forward 1.710 ->
 # 1.619), 0.558 -> 0.432 at B1-T32768-H16 (2.065 -> 1.930); two or four stages gained less.
 # On packed sequences mixed (varlen-mixed-T8192: forward kernels 0.570 -> 0.530 ms, step's
-# 1.944 -> 1.968; the packed launch spills 1.7 KB under it). Off: the CUDA suite under it
+# 1.944 -> 1.968; the packed launch of that form spilled 1.7 KB, this one 136 B). Off: the CUDA suite under it
 # (test_cuda.py) failed twice, dh0 with NaN in one column at T = 9 (bf16, K = 128) and an
 # illegal address at bf16, K = 256, and the same file has not run under the plain defaults
 # to tell whether those are its own (benchmarks/NOTES.md, thirty-second session).
