@@ -19,6 +19,8 @@
 #                                      # (kernels by GPU time), then the chunked kernels' CUDA
 #                                      # tests under KDA_TEST_SETTINGS
 #   bash benchmarks/run_gpu.sh kernel-tests   # test_cuda.py and test_triton_kernels.py alone
+#   bash benchmarks/run_gpu.sh cuda-bisect    # test_cuda.py's cases that failed on 2026-12-05, one
+#                                      # process each under three settings, then the file whole
 #   bash benchmarks/run_gpu.sh groups-a   # every GPU test but the chunked kernels' big groups and
 #   bash benchmarks/run_gpu.sh groups-b   # the comparisons with fla, then those (two calls of
 #                                      # about 480 s each; twenty-fifth session)
@@ -458,8 +460,30 @@ explore)
             --settings "${DEC[@]}" >> "$LOG" 2>&1
     fi
     ;;
+cuda-bisect)
+    # One call (thirty-second session's failures, benchmarks/NOTES.md): test_cuda.py's two cases
+    # that failed under INTRA_A_MODE_LOOPS=1 (dh0 NaN in one column at T = 9, bf16; an illegal
+    # address at bf16, K = 256), each in a process of its own (a fault ends only its process)
+    # with CUDA_LAUNCH_BLOCKING=1 (the faulting kernel named), under the plain defaults, without
+    # the scans' loads ahead, and under INTRA_A_MODE_LOOPS=1; then the whole of test_cuda.py
+    # but its fp32 cases under the plain defaults.
+    step "test_cuda.py's failing cases, one process each"
+    L=${TEST_LIMIT:-200}
+    CASES=("test_cuda_short_sequences_match_reference[9-dtype2]" "test_cuda_half_precision_matches_reference[dtype2-256]")
+    i=0
+    for setting in "" "SCAN_GLAST_AHEAD=0,SCAN_AQK_ROW_MASK=0" "INTRA_A_MODE_LOOPS=1"; do
+        for case in "${CASES[@]}"; do
+            KDA_TEST_SETTINGS="$setting" CUDA_LAUNCH_BLOCKING=1 timeout "$L" python3 -m pytest -v -ra --tb=short \
+                -p no:cacheprovider "tests/test_cuda.py::$case" > "$TLOGS/t$i.txt" 2>&1 &
+            i=$((i + 1))
+        done
+    done
+    timeout "${SUITE_LIMIT:-420}" python3 -m pytest -v -ra --tb=short -p no:cacheprovider tests/test_cuda.py \
+        -k "not fp32" > "$TLOGS/t$i.txt" 2>&1 &
+    collect_tests
+    ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|groups-a|groups-b|bench|flags|serve|flags-verify|flags-check|variant-verify|settings-time|settings-confirm|cp|candidates|breakdown|explore|verify|sweep" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|groups-a|groups-b|bench|flags|serve|flags-verify|flags-check|variant-verify|settings-time|settings-confirm|cp|candidates|breakdown|explore|verify|sweep|cuda-bisect" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"
