@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 from kda_op.triton_kernels import diag_inv, gam_fwd, intra_a_fwd, intra_a_fwd_rows, intra_fused_fwd, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, state_output_fwd, varlen_index
 from kda_op import _contract
-from kda_op._compat import cuobjdump_path, ptxas_path
+from kda_op._compat import cuobjdump_path, fences_wgmma_after_cp_async, ptxas_path
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
 from kda_op.triton_kernels import settings as S
 from kda_op.triton_kernels._host import (_INDEX_SEQS, _INDEX_SLOTS, _dot_precision, _sizes, _steep_dot_precision,
@@ -107,6 +107,27 @@ def sass_summary(fn, signature: dict, constexprs: dict, num_warps: int, num_stag
     return f"{fn.__name__:28s} warps {num_warps}: {len(lines)} instructions ({counts}){body}"
 
 
+def unfenced_wgmmas(ttgir: str) -> list[int]:
+    """The TTGIR lines of the wgmmas that may read a shared-memory tile cp.async wrote
+    with no proxy fence after it: going back from the wgmma, a wait for async copies
+    (or a loop's start) comes before any ``fence_async_shared``. The PTX memory model
+    asks for the fence (cp.async writes in the generic proxy, wgmma reads in the async
+    one), and Triton's pipeliner puts it there in a plain matmul loop; Triton 3.6-3.8
+    leave it out in some of ours (_compat.fences_wgmma_after_cp_async)."""
+    lines = ttgir.splitlines()
+    found = []
+    for i, line in enumerate(lines):
+        if "ttng.warp_group_dot " not in line:
+            continue
+        for before in reversed(lines[:i]):
+            if "ttng.fence_async_shared" in before:
+                break
+            if "ttg.async_wait" in before or "scf.for" in before:
+                found.append(i + 1)
+                break
+    return found
+
+
 def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> tuple[str, int]:
     """A line on the kernel's registers, spills and shared memory; and the shared
     memory in bytes."""
@@ -152,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="fla's in-kernel gate in the kernels that read g or write dg (0 off, 1 softplus, "
                              "2 lower bound)")
     parser.add_argument("--varlen", action="store_true", help="the variants for packed sequences (cu_seqlens)")
+    parser.add_argument("--check-fences", action="store_true",
+                        help="fail where a wgmma may read a tile cp.async wrote without a proxy fence "
+                             "(unfenced_wgmmas)")
     parser.add_argument("--set", nargs="*", default=[],
                         help="settings.py settings to compile with, NAME=VALUE (e.g. BKA=32)")
     args = parser.parse_args(argv)
@@ -272,7 +296,8 @@ def main(argv: list[str] | None = None) -> int:
               ds_offsets="*i64", **ints),
          dict(common, **varlen, BK=s["BK"], BV=args.scan_bv or s["BV_SCAN_BWD"], HAS_DHT=True, DOT_PREC=prec,
               BF16_DOTS=bool(s["SCAN_BWD_BF16_DOTS"]) and aq == "*bf16" and dsc == "*bf16",
-              GLAST_AHEAD=bool(S.SCAN_GLAST_AHEAD), AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK)),
+              GLAST_AHEAD=bool(S.SCAN_GLAST_AHEAD),
+              AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and fences_wgmma_after_cp_async()),
          scan_bwd_warps(args.scan_bv or s["BV_SCAN_BWD"], s["BK"]), s["SCAN_BWD_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
          dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
@@ -285,7 +310,9 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_chunk, v=x, beta=x, akk=f32, tm=f32, up=res, dup=f32, do=x, dtm_part=f32, dbeta_part=f32,
               dv=x, dbeta=x, dakk=f32, daqk=f32, **ints),
          dict(**varlen, V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, S.BKS_W), DOT_PREC=prec,
-              BF16_DAQK=bool(S.INTRA_BWD_BF16_DAQK) and args.dtype == "bf16" and res == "*bf16"), S.INTRA_BWD_WARPS, 3),
+              BF16_DAQK=(bool(S.INTRA_BWD_BF16_DAQK) and args.dtype == "bf16" and res == "*bf16"
+                         and fences_wgmma_after_cp_async()),
+              UP_IN_REGISTERS=not fences_wgmma_after_cp_async()), S.INTRA_BWD_WARPS, 3),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, **dq_dk_out, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints,
@@ -382,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
             if fn is intra_a_fwd.kda_intra_a_fwd_kernel or not const["STORE_TM"]:  # (the forward that keeps nothing)
                 runs.append((fn, sig, dict(const, PICK_TILE=tile, **skips), warps, stages))
     print(f"{args.dtype} inputs, K = V = {K}, sm_90a" + (f", {' '.join(args.set)}" if args.set else ""))
-    over = []
+    over, unfenced = [], []
     for fn, sig, const, warps, stages in runs:
         if args.only is None or args.only in fn.__name__:
             if args.sass:
@@ -392,10 +419,15 @@ def main(argv: list[str] | None = None) -> int:
             print(line, flush=True)
             if args.max_shared is not None and shared > args.max_shared:
                 over.append(f"{fn.__name__}: {shared} B")
+            if args.check_fences:
+                lines = unfenced_wgmmas(_compile(fn, sig, const, warps, stages).asm["ttgir"])
+                if lines:
+                    unfenced.append(f"{fn.__name__} (TTGIR lines {lines})")
     if over:
         print(f"over {args.max_shared} B of shared memory: {over}", flush=True)
-        return 1
-    return 0
+    if unfenced:
+        print(f"wgmmas reading cp.async tiles without a proxy fence: {unfenced}", flush=True)
+    return 1 if over or unfenced else 0
 
 
 if __name__ == "__main__":

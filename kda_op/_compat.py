@@ -55,6 +55,29 @@ def interpreter_numpy_problem() -> str | None:
     return None
 
 
+def _triton_major_minor() -> tuple[int, int]:
+    import triton
+
+    major, minor = triton.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def fences_wgmma_after_cp_async() -> bool:
+    """Whether Triton puts a proxy fence between every shared-memory tile that
+    ``cp.async`` wrote (the pipeliner's loads ahead: the generic proxy) and a wgmma that
+    reads it (the async proxy), as the PTX memory model asks.
+
+    Triton 3.6 to 3.8 leave it out where such a tile feeds a wgmma whose other operand
+    comes from registers or after a transpose, with no shared-memory store of their own
+    before it to bring a fence in (sm_90a TTGIR: the fused backward scan under
+    settings.SCAN_AQK_ROW_MASK, intra_bwd's dO U'^T under settings.INTRA_BWD_BF16_DAQK
+    or on fp16 inputs); the wgmma may then read a stale tile. Triton 3.9 fences them
+    (``tests/test_kernel_resources.py`` checks every kernel's TTGIR). The host takes
+    those forms only where this is true (thirty-second session, benchmarks/NOTES.md).
+    """
+    return _triton_major_minor() >= (3, 9)
+
+
 def all_gather_plain():
     """torch's all-gather of functional collectives without autograd:
     ``all_gather_single`` where it exists (torch 2.13 deprecates the other name),

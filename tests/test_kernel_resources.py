@@ -68,6 +68,22 @@ def test_the_scan_writing_the_output_fits(varlen):
     assert out.count("kda_state_output_fwd_kernel") == 2, out
 
 
+@pytest.mark.parametrize("dtype,head_dim,options", [
+    ("bf16", 128, ()), ("fp16", 128, ()), ("fp32", 128, ()), ("bf16", 256, ()), ("fp16", 256, ()),
+    ("bf16", 128, ("--varlen", "--gate", "1")), ("bf16", 128, ("--gate", "2")),
+])
+def test_every_wgmma_reading_a_cp_async_tile_is_fenced(dtype, head_dim, options):
+    """No kernel, as the host launches it under the installed Triton, has a wgmma that
+    may read a shared-memory tile cp.async wrote before a proxy fence
+    (kernel_resources.unfenced_wgmmas). Under Triton 3.6-3.8 the fused backward scan
+    under SCAN_AQK_ROW_MASK and intra_bwd's dO U'^T (bf16 dots, or fp16 inputs) had
+    such wgmmas; on the GPU the backward then gave dh0 with NaN in a column (T = 9,
+    bf16) and an illegal address (bf16, K = 256) (benchmarks/NOTES.md, thirty-second
+    session). The host now avoids those forms there (_compat.fences_wgmma_after_cp_async)."""
+    out = _resources(dtype, head_dim, None, "--check-fences", *options)
+    assert "without a proxy fence" not in out, out
+
+
 def _check_shared(dtype, head_dim, scan_bv, *extra):
     out = _resources(dtype, head_dim, scan_bv, *extra)
     assert out.count("shared ") >= 16, out  # every kernel reported

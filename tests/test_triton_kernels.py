@@ -2114,3 +2114,39 @@ def test_triton_one_pass_forward_serves_where_it_was_built_for(monkeypatch):
     monkeypatch.setattr(settings, "ONE_PASS_FWD", 2)
     with pytest.raises(ValueError, match="ONE_PASS_FWD"):
         kda_fwd_triton(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatch):
+    """Where Triton leaves a wgmma after cp.async unfenced (3.6-3.8,
+    _compat.fences_wgmma_after_cp_async) the backward launches the forms it fences: the
+    fused scan loads A_qk under its causal mask (no SCAN_AQK_ROW_MASK), intra_bwd's dO
+    U'^T takes no bf16 dots and passes U' through registers (UP_IN_REGISTERS). Every
+    grad as from the other forms: bitwise for fp32 inputs (the same operations), to
+    fp32 summation order for bf16 ones (bf16 against TF32 products of bf16 values)."""
+    from kda_op.triton_kernels import bwd
+
+    inputs = _inputs(1, 2 * CHUNK_SIZE + 17, 1, 2, 32, 48, True, seed=141)
+    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+    o, ht, cs, kept = kda_fwd_triton(*args, None, h0, True)
+    gen = torch.Generator().manual_seed(142)
+    do = torch.randn(o.shape, generator=gen).to(DEVICE, dtype)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_kernel", lambda kw: seen.append(("intra", kw["BF16_DAQK"],
+                                                                                  kw["UP_IN_REGISTERS"])))
+    _on_launch(monkeypatch, bwd, "kda_state_bwd_fused_kernel", lambda kw: seen.append(("scan", kw["AQK_ROW_MASK"])))
+    results = []
+    for fenced in (True, False):
+        monkeypatch.setattr(bwd, "_cp_async_wgmma_fenced", lambda fenced=fenced: fenced)
+        results.append(kda_bwd_triton(*args, None, h0, cs, do, dht, kept))
+    bf16 = dtype == torch.bfloat16
+    assert seen == [("scan", True), ("intra", bf16, False), ("scan", False), ("intra", False, True)], seen
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), *results):
+        assert a.float().abs().max() > 0.01, name
+        if bf16:
+            torch.testing.assert_close(b.float().cpu(), a.float().cpu(), rtol=1e-2 if b.dtype == torch.bfloat16
+                                       else 1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
+        else:
+            assert torch.equal(a, b), name

@@ -17,7 +17,7 @@ import triton
 from torch import Tensor
 from torch.profiler import record_function
 
-from .._compat import profiler_enabled
+from .._compat import fences_wgmma_after_cp_async, profiler_enabled
 from .._contract import varlen_chunk_slots, varlen_state_slots, intermediates_layout, scan_operand_dtype
 from . import settings as S
 from .settings import BC, BT, MAX_SPLIT
@@ -62,6 +62,15 @@ def _fast_exp() -> bool:
     """The FAST_EXP constexpr of the kernels that take it (_math.exp): settings.FAST_EXP,
     never under the interpreter, which cannot run inline PTX."""
     return bool(S.FAST_EXP) and not _INTERPRET
+
+
+def _cp_async_wgmma_fenced() -> bool:
+    """Whether the kernels may take the forms in which a wgmma reads a tile that
+    cp.async wrote with no fence of the kernel's own before it
+    (settings.SCAN_AQK_ROW_MASK, INTRA_BWD_BF16_DAQK): under the interpreter (no
+    proxies), or where Triton fences them itself (_compat.fences_wgmma_after_cp_async:
+    Triton >= 3.9)."""
+    return _INTERPRET or fences_wgmma_after_cp_async()
 
 
 def _steep_dot_precision(dtype: torch.dtype) -> str:

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .._contract import residual_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _cdiv, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
+from ._host import (_INTERPRET, _cdiv, _cp_async_wgmma_fenced, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
                     _intermediates_views, _layout, _pow2, _range, _sizes, _steep_dot_precision, _work_list)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
@@ -138,7 +138,7 @@ def kda_bwd_triton(
                 BF16_DOTS=(s["SCAN_BWD_BF16_DOTS"] and do.dtype == torch.bfloat16 and aqk.dtype == torch.bfloat16
                            and dchunk_states.dtype == torch.bfloat16),
                 IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None, INTERPRET=_INTERPRET,
-                COMPACT=compact, GLAST_AHEAD=bool(S.SCAN_GLAST_AHEAD), AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK),
+                COMPACT=compact, GLAST_AHEAD=bool(S.SCAN_GLAST_AHEAD), AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and _cp_async_wgmma_fenced(),
                 num_warps=s["SCAN_BWD_WARPS"], num_stages=s["SCAN_BWD_STAGES"],
             )
         else:
@@ -189,8 +189,9 @@ def kda_bwd_triton(
             *s["VL_CHUNK"], T, NC,
             H=H, HV=HV, V=V, BT=BT, BV=s["BV"], NS=NS,
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_WARPS,
-            BF16_DAQK=bool(S.INTRA_BWD_BF16_DAQK) and do.dtype == torch.bfloat16 and up.dtype == torch.bfloat16,
-            INTERPRET=_INTERPRET,
+            BF16_DAQK=(bool(S.INTRA_BWD_BF16_DAQK) and do.dtype == torch.bfloat16 and up.dtype == torch.bfloat16
+                       and _cp_async_wgmma_fenced()),
+            INTERPRET=_INTERPRET, UP_IN_REGISTERS=not _cp_async_wgmma_fenced(),
         )
     # (the stand-ins too: they may be dup, which they would keep for the rest of the backward)
     del dup, up, dtm_part, dbeta_part, ds_offsets, dht_arg, dh0_arg

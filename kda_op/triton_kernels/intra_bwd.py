@@ -26,10 +26,15 @@ def kda_intra_bwd_kernel(
     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr = False, BF16_DAQK: tl.constexpr = False, INTERPRET: tl.constexpr = False,
+    UP_IN_REGISTERS: tl.constexpr = False,
 ):
     # BF16_DAQK (settings.INTRA_BWD_BF16_DAQK; dO and U' both stored in bf16): dO U'^T on
     # bf16 operands, the same products as at TF32, accumulated in fp32; dO and U' stay
     # bf16 in registers.
+    # UP_IN_REGISTERS (Triton < 3.9, _compat.fences_wgmma_after_cp_async): U' passes
+    # through registers (an identity where on its rows) before dO U'^T, so that the tile
+    # the dot reads is stored by this program and Triton fences it; otherwise, on fp16
+    # inputs, the wgmma read U' straight from the tile cp.async wrote, unfenced.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
@@ -75,6 +80,8 @@ def kda_intra_bwd_kernel(
         if BF16_DAQK:
             b_daqk += dot_bf16(b_do, tl.trans(b_up), INTERPRET)
         else:
+            if UP_IN_REGISTERS:
+                b_up = tl.where(m_t[:, None], b_up, 0.0)  # rows past the end: zero already
             b_daqk += tl.dot(b_do.to(tl.float32), tl.trans(b_up.to(tl.float32)), input_precision=DOT_PREC)
         b_tdu = tl.dot(tl.trans(b_tm), b_dup, input_precision=DOT_PREC)
         tl.store(dv + row_v, (b_beta[:, None] * b_tdu).to(dv.dtype.element_ty), mask=m_tv)

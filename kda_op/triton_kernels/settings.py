@@ -184,6 +184,9 @@ INTRA_BWD_W_BF16_DKR = 1
 # as at TF32, fewer registers (sm_90a at four warps: 1.3 KB of spills -> 1.0). H200
 # (2026-12-03, as above): kda_intra_bwd 1.034 -> 0.892 ms at B2, 0.269 -> 0.231 at B1;
 # with INTRA_BWD_WARPS = 8 as well 0.868 / 0.225 (eight warps alone: 0.895 / 0.232).
+# Under Triton 3.6-3.8 off whatever it says here, as SCAN_AQK_ROW_MASK below (its dO U'^T
+# wgmma read both tiles straight from cp.async, unfenced), and U' then passes through
+# registers on every dtype (intra_bwd.py UP_IN_REGISTERS), which fp16 inputs needed too.
 INTRA_BWD_BF16_DAQK = 1
 # dS_C, the grad of each chunk's leaving state (the backward's [NC, HV, K, V]
 # buffer, also the prep kernel's Qg^T dO of the chunk), in bf16 for bf16 inputs
@@ -431,6 +434,11 @@ SCAN_BWD_WARPS_BV16 = 4
 # --kernels), both on: kda_state_bwd_fused 1.822 -> 1.247 ms (B1-T32768-H16) and 1.270 -> 0.889 ms
 # (B8-T8192-H16), 0.630 -> 0.457 (B2-T8192-H8-HV32); forward+backward 7.703 -> 6.993 ms,
 # 11.959 -> 11.557, 6.198 -> 6.009; forward 1.943 -> 1.802 at B1-T32768-H16: on.
+# Under Triton 3.6-3.8 the host leaves SCAN_AQK_ROW_MASK off whatever it says here
+# (_host._cp_async_wgmma_fenced): the A_qk tile then feeds A_qk^T dO from registers, and
+# those Triton versions put no proxy fence between the dO tile that cp.async wrote and that
+# wgmma (sm_90a TTGIR; Triton 3.9 does): on an H100 the backward gave dh0 with NaN in a
+# column (T = 9, bf16). Its share of the gain above was not timed apart from the loads ahead.
 SCAN_GLAST_AHEAD = 1
 SCAN_AQK_ROW_MASK = 1
 # The forward scan alone (None: as above): its warps, stages (bf16 operands and
