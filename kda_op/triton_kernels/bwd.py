@@ -15,8 +15,9 @@ from torch import Tensor
 
 from .._contract import residual_dtype
 from . import settings as S
-from ._host import (_INTERPRET, _cdiv, _cp_async_wgmma_fenced, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
-                    _intermediates_views, _layout, _pow2, _range, _sizes, _steep_dot_precision, _work_list)
+from ._host import (_INTERPRET, _cdiv, _cp_async_wgmma_fenced, _dot_precision, _fast_exp, _gate_args,
+                    _gate_bounds_every_block, _intermediates_views, _layout, _pow2, _range, _sizes,
+                    _steep_dot_precision, _work_list)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
@@ -138,7 +139,8 @@ def kda_bwd_triton(
                 BF16_DOTS=(s["SCAN_BWD_BF16_DOTS"] and do.dtype == torch.bfloat16 and aqk.dtype == torch.bfloat16
                            and dchunk_states.dtype == torch.bfloat16),
                 IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None, INTERPRET=_INTERPRET,
-                COMPACT=compact, GLAST_AHEAD=bool(S.SCAN_GLAST_AHEAD), AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and _cp_async_wgmma_fenced(),
+                COMPACT=compact, GLAST_AHEAD=bool(S.SCAN_GLAST_AHEAD),
+                AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and _cp_async_wgmma_fenced(),
                 num_warps=s["SCAN_BWD_WARPS"], num_stages=s["SCAN_BWD_STAGES"],
             )
         else:
