@@ -128,9 +128,9 @@ def unfenced_wgmmas(ttgir: str) -> list[int]:
     return found
 
 
-def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> tuple[str, int]:
-    """A line on the kernel's registers, spills and shared memory; and the shared
-    memory in bytes."""
+def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: int) -> tuple[str, int, str]:
+    """A line on the kernel's registers, spills and shared memory; the shared memory
+    in bytes; and the kernel's TTGIR."""
     start = time.time()
     kernel = _compile(fn, signature, constexprs, num_warps, num_stages)
     seconds = time.time() - start
@@ -146,9 +146,10 @@ def resources(fn, signature: dict, constexprs: dict, num_warps: int, num_stages:
     tiling += "".join(f" {c}=0" for c in ("QG_FIRST", "KR_LAST", "W_FIRST") if constexprs.get(c, True) is False)
     tiling += "".join(f" {c}" for c in ("FIRST_FROM_U", "SKIP_UNKEPT_STATE", "STEEP", "ONE_LAUNCH")
                       if constexprs.get(c))
-    return (f"{fn.__name__ + tiling:28s} warps {num_warps} stages {num_stages}: regs {regs.group(1) if regs else '?':>3s}, "
+    line = (f"{fn.__name__ + tiling:28s} warps {num_warps} stages {num_stages}: regs {regs.group(1) if regs else '?':>3s}, "
             f"spill st/ld {spill.group(1) if spill else '?'}/{spill.group(2) if spill else '?'} B, "
-            f"shared {kernel.metadata.shared} B, compile {seconds:.1f} s"), kernel.metadata.shared
+            f"shared {kernel.metadata.shared} B, compile {seconds:.1f} s")
+    return line, kernel.metadata.shared, kernel.asm["ttgir"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -415,12 +416,12 @@ def main(argv: list[str] | None = None) -> int:
             if args.sass:
                 print(sass_summary(fn, sig, const, warps, stages), flush=True)
                 continue
-            line, shared = resources(fn, sig, const, warps, stages)
+            line, shared, ttgir = resources(fn, sig, const, warps, stages)
             print(line, flush=True)
             if args.max_shared is not None and shared > args.max_shared:
                 over.append(f"{fn.__name__}: {shared} B")
             if args.check_fences:
-                lines = unfenced_wgmmas(_compile(fn, sig, const, warps, stages).asm["ttgir"])
+                lines = unfenced_wgmmas(ttgir)
                 if lines:
                     unfenced.append(f"{fn.__name__} (TTGIR lines {lines})")
     if over:

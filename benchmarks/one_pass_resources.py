@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
                     constexprs[name] = {"True": True, "False": False}.get(value, value)
                     if isinstance(constexprs[name], str) and constexprs[name].lstrip("-").isdigit():
                         constexprs[name] = int(constexprs[name])
-                line, shared = resources(kda_one_pass_fwd_kernel, signature, constexprs, warps, stages)
+                line, shared, _ = resources(kda_one_pass_fwd_kernel, signature, constexprs, warps, stages)
                 print(f"BV {bv:3d} {line}", flush=True)
                 if args.sass:
                     print(f"BV {bv:3d} {sass_summary(kda_one_pass_fwd_kernel, signature, constexprs, warps, stages)}",

@@ -8,7 +8,15 @@ bridges. Kernel code itself is written in forms every tested Triton accepts
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    """``"3.6.0"`` -> (3, 6)."""
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
 
 
 def ptxas_path(arch: int) -> str:
@@ -45,23 +53,13 @@ def interpreter_numpy_problem() -> str | None:
     import numpy
     import triton
 
-    def major_minor(version: str) -> tuple[int, int]:
-        major, minor = version.split(".")[:2]
-        return int(major), int(minor)
-
-    if major_minor(triton.__version__) < (3, 7) and major_minor(numpy.__version__) >= (2, 4):
+    if _major_minor(triton.__version__) < (3, 7) and _major_minor(numpy.__version__) >= (2, 4):
         return (f"Triton {triton.__version__}'s interpreter needs numpy < 2.4 (installed: {numpy.__version__}); "
                 f"install numpy<2.4 or Triton >= 3.9 (pyproject.toml, .ci/envs/)")
     return None
 
 
-def _triton_major_minor() -> tuple[int, int]:
-    import triton
-
-    major, minor = triton.__version__.split(".")[:2]
-    return int(major), int(minor)
-
-
+@functools.cache
 def fences_wgmma_after_cp_async() -> bool:
     """Whether Triton puts a proxy fence between every shared-memory tile that
     ``cp.async`` wrote (the pipeliner's loads ahead: the generic proxy) and a wgmma that
@@ -75,7 +73,9 @@ def fences_wgmma_after_cp_async() -> bool:
     (``tests/test_kernel_resources.py`` checks every kernel's TTGIR). The host takes
     those forms only where this is true (thirty-second session, benchmarks/NOTES.md).
     """
-    return _triton_major_minor() >= (3, 9)
+    import triton
+
+    return _major_minor(triton.__version__) >= (3, 9)
 
 
 def all_gather_plain():
