@@ -379,7 +379,8 @@ def main(argv: list[str] | None = None) -> int:
                               ht=f32, o=x, **ints, slots="*i64"),
                          dict(common, **varlen, BK=s["BK"], BV=bv_fused, HAS_H0=kept, DOT_PREC=prec, STORE_HT=True,
                               STORE_STATES=kept, STORE_UP=kept, BF16_DOTS=bool(s["SCAN_BF16_DOTS"]),
-                              OUTPUT_BF16_DOTS=bool(s["OUTPUT_BF16_DOTS"])),
+                              OUTPUT_BF16_DOTS=bool(s["OUTPUT_BF16_DOTS"]),
+                              GLAST_AHEAD=bool(S.FUSED_OUTPUT_GLAST_AHEAD)),
                          S.FUSED_OUTPUT_WARPS or S.SCAN_FWD_WARPS or S.SCAN_WARPS, S.FUSED_OUTPUT_STAGES))
     if S.STEEP_WORK_LIST:
         # the steep launches as work lists (settings.STEEP_WORK_LIST)

@@ -29,7 +29,7 @@
 #   bash benchmarks/run_gpu.sh cp      # (nvidia-h200-x2) context parallel: cp_demo --check, bench_cp.py
 #   bash benchmarks/run_gpu.sh flags   # ours against fla with fla's layer flags on
 #                                      # (RESULTS_layer.md) and packed (RESULTS_varlen.md)
-#   bash benchmarks/run_gpu.sh bench   # ours against fla (RESULTS.md), decode
+#   VARIANTS="A=1" bash benchmarks/run_gpu.sh bench   # ours (and variants) against fla (RESULTS.md), decode
 #                                      # (RESULTS_decode.md); SWEEP=1 adds the sequence
 #                                      # sweep, its plot and a CUDA profile
 #   VARIANTS="A=1" bash benchmarks/run_gpu.sh verify
@@ -140,9 +140,12 @@ tests)
 bench)
     step "ours and fla, standard shapes"
     # the speed issue's shapes (fla's tuning for all four is kept in benchmarks/tuning since
-    # 2026-12-04: B1-T32768-H16 alone took 32 s at three rounds)
+    # 2026-12-04: B1-T32768-H16 alone took 32 s at three rounds); $VARIANTS of ours beside,
+    # in the same process
+    read -r -a VARS <<< "${VARIANTS:-}"
     timeout "${BENCH_LIMIT:-400}" python3 benchmarks/bench_chunk_kda.py \
-        --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32 B8-T8192-H16 B1-T32768-H16} --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
+        --shapes ${BENCH_SHAPES:-B1-T8192-H16 B2-T8192-H8-HV32 B8-T8192-H16 B1-T32768-H16} \
+        ${VARIANTS:+--variants "${VARS[@]}"} --out "$OUT/RESULTS.md" >> "$LOG" 2>&1
     step "decode"
     timeout "${DECODE_LIMIT:-150}" python3 benchmarks/bench_decode.py --out "$OUT/RESULTS_decode.md" \
         --settings "RECURRENT_BV=64" "RECURRENT_BV=128,RECURRENT_WARPS=8" "RECURRENT_WARPS=8" \

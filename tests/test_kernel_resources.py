@@ -66,13 +66,14 @@ def test_kernels_fit_with_the_scans_loads_ahead_and_v_blocks_of_16(head_dim):
     _check_shared("bf16", head_dim, None, "--set", "SCAN_GLAST_AHEAD=1", "SCAN_AQK_ROW_MASK=1", "BV_SCAN_BWD_MIN=16")
 
 
-@pytest.mark.parametrize("varlen", [False, True])
-def test_the_scan_writing_the_output_fits(varlen):
+@pytest.mark.parametrize("varlen,glast_ahead", [(False, 0), (True, 0), (False, 1), (True, 1)])
+def test_the_scan_writing_the_output_fits(varlen, glast_ahead):
     """settings.FUSED_OUTPUT (on by default): the forward scan that writes the output,
     as a forward that keeps its intermediates and one that keeps nothing launch it (bf16,
-    K = V = 128, at its V-block floor of 64), for fixed-length and packed sequences."""
+    K = V = 128, at its V-block floor of 64), for fixed-length and packed sequences, with
+    gam's last row loaded where it is used and a chunk ahead (FUSED_OUTPUT_GLAST_AHEAD)."""
     out = _resources("bf16", 128, None, "--only", "state_output", "--set", "FUSED_OUTPUT=1",
-                     *(("--varlen",) if varlen else ()))
+                     f"FUSED_OUTPUT_GLAST_AHEAD={glast_ahead}", *(("--varlen",) if varlen else ()))
     assert out.count("kda_state_output_fwd_kernel") == 2, out
 
 

@@ -702,6 +702,53 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
         kda_fwd_triton(*args, keep, cu_seqlens=cu_d)
 
 
+@pytest.mark.parametrize("packed,with_h0,keep", [
+    (False, True, True),  # the loop from the first chunk; U' and the chunk states kept
+    (False, False, False),  # the first chunk out of the loop (PEEL); a forward that keeps nothing
+    (True, False, True),  # packed: one-chunk and empty sequences, compact chunk states
+])
+def test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits(packed, with_h0, keep, monkeypatch):
+    """settings.FUSED_OUTPUT_GLAST_AHEAD: the forward scan that writes the output loads each
+    chunk's last row of gam a chunk ahead; the output, final states, chunk states and kept
+    intermediates are bitwise those of the load where it is used. Weak decays, so that
+    every chunk's decay exp(gam's last row) reaches the states (a row of another chunk would
+    change them); partial last chunks."""
+    from kda_op.triton_kernels import fwd, settings
+
+    monkeypatch.setattr(settings, "BV_SCAN", 32)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT", 1)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)  # at these few programs
+    launches = []
+    _on_launch(monkeypatch, fwd, "kda_state_output_fwd_kernel", lambda kw: launches.append(kw["GLAST_AHEAD"]))
+    if packed:
+        cu, (q, k, v, g, beta), _, _ = _packed_problem([130, 20, 0, 64, 65, 1], 95, False, 0.05)
+        h0 = None
+        cu_d = cu.to(DEVICE)
+    else:
+        x = _inputs(2, 3 * CHUNK_SIZE - 20, 1, 2, 48, 40, with_h0, seed=96)
+        q, k, v, g, beta = (x[n].cpu() for n in ("q", "k", "v", "g", "beta"))
+        g = g * 0.05  # weak decays: make_inputs' take a chunk's below 1e-20
+        h0 = x["initial_state"].cpu() if with_h0 else None
+        cu = cu_d = None
+    gam_last = torch.cumsum(g.double(), 1)[:, CHUNK_SIZE - 1]  # the first chunk's decay: not negligible
+    assert gam_last.min() > -5.0, gam_last.min()
+    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
+    args = [t.to(DEVICE) for t in (q, k, v, g, beta)] + [None, None if h0 is None else h0.to(DEVICE)]
+    results = []
+    for ahead in (0, 1):
+        monkeypatch.setattr(settings, "FUSED_OUTPUT_GLAST_AHEAD", ahead)
+        launches.clear()
+        results.append(kda_fwd_triton(*args, keep, cu_seqlens=cu_d, output_final_state=True,
+                                      keep_chunk_states=keep))
+        assert launches == [bool(ahead)], launches
+    for name, in_place, ahead in zip(("o", "final state", "chunk states", "kept"), *results):
+        assert torch.equal(_bytes(in_place), _bytes(ahead)), name
+    # against the fp32 reference on the same bf16 inputs (bf16 operands, as the test above)
+    want = _reference_o(*(t.float() for t in (q, k, v, g, beta)), h0, cu)
+    assert (results[1][0].cpu().float() - want).norm() <= 1e-2 * want.norm()
+
+
 def _reference_o(q, k, v, g, beta, h0, cu):
     """The fp32 reference's output for CPU inputs, packed where ``cu`` is given."""
     from kda_op.ops import _reference_fwd

@@ -403,7 +403,7 @@ def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk
         HAS_H0=h0 is not None, DOT_PREC=prec, STORE_HT=ht is not None, STORE_STATES=store_states,
         STORE_UP=up is not None, BF16_DOTS=s["SCAN_BF16_DOTS"], OUTPUT_BF16_DOTS=s["OUTPUT_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first,
-        COMPACT_STATES=store_states and s["COMPACT_STATES"],
+        COMPACT_STATES=store_states and s["COMPACT_STATES"], GLAST_AHEAD=bool(S.FUSED_OUTPUT_GLAST_AHEAD),
         num_warps=S.FUSED_OUTPUT_WARPS or s["SCAN_FWD_WARPS"], num_stages=S.FUSED_OUTPUT_STAGES,
     )
     if s["IS_VARLEN"] and store_states:

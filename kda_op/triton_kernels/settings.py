@@ -561,6 +561,12 @@ FUSED_OUTPUT_MIN_PROGRAMS_PER_SM = 1
 # stages 144 KB (one CTA).
 FUSED_OUTPUT_WARPS = 4
 FUSED_OUTPUT_STAGES = 1
+# The fused scan's chunk-ahead load of gam's last row (1; SCAN_GLAST_AHEAD's for this
+# kernel). In its sm_90a SASS (Triton 3.6, bf16, K = V = 128, V block 64) that load, left
+# where it is used, issues after the output's stores and its wait sits on each chunk's chain
+# before the state update. Built 2026-12-05 without a device (the interpreter's tests: the
+# same bits): 0 until timed.
+FUSED_OUTPUT_GLAST_AHEAD = 0
 # The whole forward in one launch (one_pass_fwd.py; 1): one program per (V block, sequence *
 # value head) walks its chunks and forms gam, the A's, Tm, U', the output and the state on
 # chip, reading q, k, v, g, beta and writing o (and the chunk states where kept), instead of

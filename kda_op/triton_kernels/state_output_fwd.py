@@ -39,7 +39,7 @@ def kda_state_output_fwd_kernel(
     STORE_STATES: tl.constexpr, STORE_UP: tl.constexpr,
     BF16_DOTS: tl.constexpr = False, OUTPUT_BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, V_FIRST: tl.constexpr = False,
-    COMPACT_STATES: tl.constexpr = False,
+    COMPACT_STATES: tl.constexpr = False, GLAST_AHEAD: tl.constexpr = False,
 ):
     # STORE_STATES: the state entering every chunk (and the final one, unless
     # COMPACT_STATES) into chunk_states, laid out as state_fwd.py lays them out.
@@ -105,10 +105,19 @@ def kda_state_output_fwd_kernel(
                 b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
                 b_s = dot(tl.trans(b_kr), b_u, BF16_DOTS, DOT_PREC, INTERPRET)
     I_FIRST: tl.constexpr = 1 if PEEL else 0
+    # GLAST_AHEAD (settings.FUSED_OUTPUT_GLAST_AHEAD): each chunk's last row of gam loaded a
+    # chunk ahead, as state_fwd.py's. Loaded where it is used, it is one more round trip to
+    # memory on each chunk's chain, after the output's stores (sm_90a SASS).
+    if GLAST_AHEAD:
+        b_glast = tl.load(gam + (tl.minimum(tl.cast((I_FIRST + 1) * BT, tl.int64), T) - 1) * (HV * K) + o_k,
+                          mask=m_k & ((I_FIRST + 0 * o_k) < NC), other=0.0)
     for i_c in range(I_FIRST, NC):
         if STORE_STATES:
             tl.store(chunk_states + i_c * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
         r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
+        if GLAST_AHEAD:
+            b_glast_next = tl.load(gam + (tl.minimum(r0 + 2 * BT, T) - 1) * (HV * K) + o_k,
+                                   mask=m_k & ((i_c + 1 + 0 * o_k) < NC), other=0.0)
         m_t = i_c * BT + o_r < T
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
@@ -128,9 +137,12 @@ def kda_state_output_fwd_kernel(
         if POOL:
             b_o = tl.where(live, b_o, 0.0)
         tl.store(o + r0 * (HV * V) + row_v, as_stored(b_o, o, INTERPRET).to(o.dtype.element_ty), mask=m_tv)
-        # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
-        b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
+        if not GLAST_AHEAD:
+            # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
+            b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
+        if GLAST_AHEAD:
+            b_glast = b_glast_next
 
     if STORE_STATES and not COMPACT_STATES:
         tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
