@@ -1,7 +1,8 @@
 """What differs between the torch and Triton versions kda-op is tested on.
 
-Tested: torch 2.11 with Triton 3.6 (the H200 machine and CPU CI), torch 2.13
-with Triton 3.9 (CPU CI). Each shim says which versions it
+Tested: torch 2.11 with Triton 3.6 (the H200 machine and CPU CI), torch 2.15
+with Triton 3.9 (CPU CI; torch 2.13 with Triton 3.9 before 2026-12-05, on this
+project's development machines). Each shim says which versions it
 bridges. Kernel code itself is written in forms every tested Triton accepts
 (e.g. ``intra_a_fwd.py``'s block-shaped row mask), so it needs no shim here.
 """
