@@ -129,6 +129,13 @@ def kernel_costs(s: Shape) -> dict:
                                  (with_s0 + leaving) * 2 * BT * K * V, "bf16"),
         "kda_output_fwd_kernel": (tok * BT * bf + tok * V * bf + rows_s0 * K * bf + with_s0 * state * bf + tok * V * bf,
                                   with_s0 * 2 * BT * K * V + chunks * 2 * BT * BT * V, "bf16"),
+        # the scan that writes the output (settings.FUSED_OUTPUT; where its programs outnumber
+        # the SMs, as at B8-T8192-H16): the scan's reads and writes and the output's, but U'
+        # and the chunk states are not read back; Qg only where a chunk has an entering state
+        "kda_state_output_fwd_kernel": (2 * tok * K * bf + tok * V * bf + h0 + tok * BT * bf + rows_s0 * K * bf
+                                        + tok * V * bf + stored_states * state * bf
+                                        + (seqh * state * f4 if s.final_state else 0) + tok * V * bf,
+                                        (2 * with_s0 + leaving) * 2 * BT * K * V + chunks * 2 * BT * BT * V, "bf16"),
         # Qg^T dO only where dS entering the chunk is wanted (not a first chunk without h0)
         "kda_state_bwd_prep_kernel": (tok * V * bf + tok * BT * bf + tok * V * f4 + rows_s0 * K * bf + with_s0 * state * bf,
                                       chunks * 2 * BT * BT * V + with_s0 * 2 * K * BT * V, "tf32"),

@@ -48,6 +48,24 @@ def test_costs_of_the_scan_and_the_output_by_hand():
     assert costs["kda_output_fwd_kernel"][:2] == (want_bytes, chunks * 2 * 64 * 32 * 16 + chunks * 2 * 64 * 64 * 16)
 
 
+def test_costs_of_the_scan_writing_the_output_by_hand():
+    """Two sequences of 100 tokens (two chunks each), H = HV = 2, K = 32, V = 16, no
+    initial state: the forward scan that writes the output reads Kr, W, U, A_qk and the
+    Qg of second chunks, writes U', the chunk states, the final states and o; it reads
+    neither U' nor the chunk states back, which the scan and the output kernel apart do."""
+    s = roofline.Shape(lengths=(100, 100), H=2, HV=2, K=32, V=16)
+    costs = roofline.kernel_costs(s)
+    tok, chunks, seqh, state = 200 * 2, 2 * 2 * 2, 2 * 2, 32 * 16
+    rows_s0 = (100 - 64) * 2 * 2  # the second chunks' rows: the only ones with an entering state
+    want_bytes = (2 * tok * 32 * 2 + tok * 16 * 2 + tok * 64 * 2 + rows_s0 * 32 * 2  # Kr, W, U, A_qk, Qg
+                  + tok * 16 * 2 + (chunks + seqh) * state * 2 + seqh * state * 4 + tok * 16 * 2)  # U', states, o
+    # W S0 and Qg S0 in the second chunks, Kr^T U' in every chunk, A_qk U' in every chunk
+    want_flops = (2 * 4 + 8) * 2 * 64 * 32 * 16 + chunks * 2 * 64 * 64 * 16
+    assert costs["kda_state_output_fwd_kernel"][:2] == (want_bytes, want_flops)
+    apart = costs["kda_state_fwd_kernel"][0] + costs["kda_output_fwd_kernel"][0]
+    assert want_bytes == apart - tok * 16 * 2 - 4 * state * 2  # U' and the 4 entering states not read
+
+
 def test_costs_of_the_fused_backward_scan_by_hand():
     """Two sequences of 100 tokens (two chunks each), H = HV = 2, K = 32, V = 16, an
     initial state and dht: the fused backward scan reads Qg, Kr, W, A_qk and dO (bf16)
