@@ -606,6 +606,28 @@ def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, 
         _check_o_and_grads(results[1][0], results[1][4:], (q, k, v, g, beta), h0, do, dht, cu)
 
 
+def _bf16_scan_problem(packed, with_h0, lengths, seed_decay):
+    """The scans' tests' inputs, q, k, v and beta in bf16: packed sequences of ``lengths``
+    (no initial state; ``_packed_problem`` with log decays in [-decay, 0)), or two sequences
+    of 3 chunks less 20 tokens (GVA of two value heads, K = 48, V = 40; an initial state if
+    ``with_h0``; g scaled by ``decay`` unless None). ``seed_decay``: (seed, decay).
+    ``((q, k, v, g, beta), h0, cu, cu on DEVICE, kda_fwd_triton's first seven arguments)``."""
+    seed, decay = seed_decay
+    if packed:
+        cu, (q, k, v, g, beta), _, _ = _packed_problem(lengths, seed, False, decay)
+        h0 = None
+        cu_d = cu.to(DEVICE)
+    else:
+        x = _inputs(2, 3 * CHUNK_SIZE - 20, 1, 2, 48, 40, with_h0, seed=seed)
+        q, k, v, g, beta = (x[n].cpu() for n in ("q", "k", "v", "g", "beta"))
+        g = g if decay is None else g * decay
+        h0 = x["initial_state"].cpu() if with_h0 else None
+        cu = cu_d = None
+    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
+    args = [t.to(DEVICE) for t in (q, k, v, g, beta)] + [None, None if h0 is None else h0.to(DEVICE)]
+    return (q, k, v, g, beta), h0, cu, cu_d, args
+
+
 @pytest.mark.parametrize("packed,with_h0,keep", [
     (False, True, True),  # the loop from the first chunk; U' kept
     (False, False, False),  # the first chunk out of the loop (no S0)
@@ -629,17 +651,8 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
     for name in ("kda_state_output_fwd_kernel", "kda_output_fwd_kernel", "kda_state_fwd_kernel"):
         _on_launch(monkeypatch, fwd, name, lambda kw, name=name: launches.append(name))
     fused_launch, unfused_launches = ["kda_state_output_fwd_kernel"], ["kda_state_fwd_kernel", "kda_output_fwd_kernel"]
-    if packed:
-        cu, (q, k, v, g, beta), _, _ = _packed_problem([20, 130, 0, 64, 65, 1], 91, False, 0.3)
-        h0 = None
-        cu_d = cu.to(DEVICE)
-    else:
-        x = _inputs(2, 3 * CHUNK_SIZE - 20, 1, 2, 48, 40, with_h0, seed=93)
-        q, k, v, g, beta = (x[n].cpu() for n in ("q", "k", "v", "g", "beta"))
-        h0 = x["initial_state"].cpu() if with_h0 else None
-        cu = cu_d = None
-    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
-    args = [t.to(DEVICE) for t in (q, k, v, g, beta)] + [None, None if h0 is None else h0.to(DEVICE)]
+    (q, k, v, g, beta), h0, cu, cu_d, args = _bf16_scan_problem(packed, with_h0, [20, 130, 0, 64, 65, 1],
+                                                                (91, 0.3) if packed else (93, None))
     results = []
     for fused in (0, 1):
         monkeypatch.setattr(settings, "FUSED_OUTPUT", fused)
@@ -721,20 +734,11 @@ def test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits(packed,
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)  # at these few programs
     launches = []
     _on_launch(monkeypatch, fwd, "kda_state_output_fwd_kernel", lambda kw: launches.append(kw["GLAST_AHEAD"]))
-    if packed:
-        cu, (q, k, v, g, beta), _, _ = _packed_problem([130, 20, 0, 64, 65, 1], 95, False, 0.05)
-        h0 = None
-        cu_d = cu.to(DEVICE)
-    else:
-        x = _inputs(2, 3 * CHUNK_SIZE - 20, 1, 2, 48, 40, with_h0, seed=96)
-        q, k, v, g, beta = (x[n].cpu() for n in ("q", "k", "v", "g", "beta"))
-        g = g * 0.05  # weak decays: make_inputs' take a chunk's below 1e-20
-        h0 = x["initial_state"].cpu() if with_h0 else None
-        cu = cu_d = None
+    # weak decays (make_inputs' take a chunk's below 1e-20)
+    (q, k, v, g, beta), h0, cu, cu_d, args = _bf16_scan_problem(packed, with_h0, [130, 20, 0, 64, 65, 1],
+                                                                (95, 0.05) if packed else (96, 0.05))
     gam_last = torch.cumsum(g.double(), 1)[:, CHUNK_SIZE - 1]  # the first chunk's decay: not negligible
     assert gam_last.min() > -5.0, gam_last.min()
-    q, k, v, beta = (t.to(torch.bfloat16) for t in (q, k, v, beta))
-    args = [t.to(DEVICE) for t in (q, k, v, g, beta)] + [None, None if h0 is None else h0.to(DEVICE)]
     results = []
     for ahead in (0, 1):
         monkeypatch.setattr(settings, "FUSED_OUTPUT_GLAST_AHEAD", ahead)
