@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
               ds_offsets="*i64", **ints),
          dict(common, **varlen, BK=s["BK"], BV=args.scan_bv or s["BV_SCAN_BWD"], HAS_DHT=True, DOT_PREC=prec,
               BF16_DOTS=bool(s["SCAN_BWD_BF16_DOTS"]) and aq == "*bf16" and dsc == "*bf16",
-              GLAST_AHEAD=bool(S.SCAN_GLAST_AHEAD),
+              GLAST_AHEAD=bool(S.SCAN_BWD_GLAST_AHEAD),
               AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and fences_wgmma_after_cp_async()),
          scan_bwd_warps(args.scan_bv or s["BV_SCAN_BWD"], s["BK"]), s["SCAN_BWD_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,

@@ -60,10 +60,12 @@ def test_kernels_fit_the_h200_shared_memory_with_other_options(options):
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_kernels_fit_with_the_scans_loads_ahead_and_v_blocks_of_16(head_dim):
     """bf16 inputs with the scans' loads a chunk ahead and under a row mask (settings
-    SCAN_GLAST_AHEAD, SCAN_AQK_ROW_MASK; on by default) and the backward scan's V block of
+    SCAN_GLAST_AHEAD, SCAN_BWD_GLAST_AHEAD, SCAN_AQK_ROW_MASK; the first and last on by
+    default) and the backward scan's V block of
     16 (BV_SCAN_BWD_MIN; 32 by default: four warps at K = 128, eight at 256), at one
     sequence and head."""
-    _check_shared("bf16", head_dim, None, "--set", "SCAN_GLAST_AHEAD=1", "SCAN_AQK_ROW_MASK=1", "BV_SCAN_BWD_MIN=16")
+    _check_shared("bf16", head_dim, None, "--set", "SCAN_GLAST_AHEAD=1", "SCAN_BWD_GLAST_AHEAD=1", "SCAN_AQK_ROW_MASK=1",
+                  "BV_SCAN_BWD_MIN=16")
 
 
 @pytest.mark.parametrize("varlen,glast_ahead", [(False, 0), (True, 0), (False, 1), (True, 1)])

@@ -554,8 +554,8 @@ def test_triton_steep_work_lists_give_the_bits_of_the_full_grids(packed, row_pro
 
 @pytest.mark.parametrize("packed,dtype", [(False, torch.float32), (False, torch.bfloat16), (True, torch.float32)])
 def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, monkeypatch):
-    """settings.SCAN_GLAST_AHEAD (both scans load each chunk's last row of gam a chunk
-    ahead) and SCAN_AQK_ROW_MASK (the fused backward scan loads A_qk under its row mask and
+    """settings.SCAN_GLAST_AHEAD and SCAN_BWD_GLAST_AHEAD (the forward and the backward scan
+    load each chunk's last row of gam a chunk ahead) and SCAN_AQK_ROW_MASK (the fused backward scan loads A_qk under its row mask and
     zeroes the upper triangle after): the same outputs, chunk states and grads, bitwise, as
     the loads where they are used, which match the reference, with NaN written above A_qk's
     diagonal in the kept intermediates (read by neither). Weak decays, so that each chunk's
@@ -585,6 +585,7 @@ def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, 
     results = []
     for ahead in (0, 1):
         monkeypatch.setattr(settings, "SCAN_GLAST_AHEAD", ahead)
+        monkeypatch.setattr(settings, "SCAN_BWD_GLAST_AHEAD", ahead)
         monkeypatch.setattr(settings, "SCAN_AQK_ROW_MASK", ahead)
         o, ht, cs, kept = kda_fwd_triton(*args, True, cu_seqlens=cu_d, output_final_state=not packed)
         # NaN above A_qk's diagonal (its rows within a chunk against its columns), where the

@@ -139,7 +139,7 @@ def kda_bwd_triton(
                 BF16_DOTS=(s["SCAN_BWD_BF16_DOTS"] and do.dtype == torch.bfloat16 and aqk.dtype == torch.bfloat16
                            and dchunk_states.dtype == torch.bfloat16),
                 IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None, INTERPRET=_INTERPRET,
-                COMPACT=compact, GLAST_AHEAD=bool(S.SCAN_GLAST_AHEAD),
+                COMPACT=compact, GLAST_AHEAD=bool(S.SCAN_BWD_GLAST_AHEAD),
                 AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and _cp_async_wgmma_fenced(),
                 num_warps=s["SCAN_BWD_WARPS"], num_stages=s["SCAN_BWD_STAGES"],
             )

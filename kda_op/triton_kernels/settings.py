@@ -441,6 +441,14 @@ SCAN_BWD_WARPS_BV16 = 4
 # column (T = 9, bf16). Its share of the gain above was not timed apart from the loads ahead.
 SCAN_GLAST_AHEAD = 1
 SCAN_AQK_ROW_MASK = 1
+# SCAN_GLAST_AHEAD in the fused backward scan (its own setting since 2026-12-05): off. On an
+# H100 (torch 2.11, Triton 3.6; thirty-third session, run_gpu.sh cuda-bisect) test_cuda.py's
+# short_sequences[9-bf16] (T = 9, h0 and dht) gave dh0 with NaN down one column under the
+# defaults (SCAN_AQK_ROW_MASK already left off by the host there) and passed with the row of gam
+# loaded where it is used. The interpreter gives the same bits either way and the kernel's
+# TTGIR has the same fences and waits either way: the cause is not found. The gain it gave
+# the backward scan (thirtieth session, with SCAN_AQK_ROW_MASK) is given up until it is.
+SCAN_BWD_GLAST_AHEAD = 0
 # The forward scan alone (None: as above): its warps, stages (bf16 operands and
 # BK <= 128 only; see _sizes) and V block (before the doubling to one wave); and
 # how many of its programs one SM runs at once, for the V block's choice (a wave =

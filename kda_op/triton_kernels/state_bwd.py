@@ -289,7 +289,7 @@ def kda_state_bwd_fused_kernel(
                 b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
                 b_ds = (dot(tl.trans(b_qg), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
                         - dot(tl.trans(b_w), b_dup, BF16_DOTS, DOT_PREC, INTERPRET))
-    # GLAST_AHEAD (settings.SCAN_GLAST_AHEAD): each chunk's last row of gam loaded a chunk
+    # GLAST_AHEAD (settings.SCAN_BWD_GLAST_AHEAD): each chunk's last row of gam loaded a chunk
     # ahead, as in the forward scan (the chunks before the last are full).
     if GLAST_AHEAD:
         i_first = NC - 1 - (1 if PEEL else 0)
