@@ -1449,9 +1449,13 @@ def test_triton_traced_launches_pass_every_parameter(packed, fused, monkeypatch)
     parameter of every kernel it launches, defaults included: with one left to its
     default, torch's mutation analysis of the traced launch fails and the kernel
     inductor compiled from it did not get that default (torch 2.11: a static_assert
-    on TILE / PICK_TILE failed in every compiled forward). Each launch's arguments
-    are recorded on the way through wrap_triton; the results are still checked
-    against the reference."""
+    on TILE / PICK_TILE failed in every compiled forward). And no tensor is passed under
+    two names but the inputs (read-only stand-ins): functionalised, each pointer that may
+    reach a store is cloned and written back on its own, so a stand-in aliasing a tensor
+    the kernel writes writes its unchanged clone back over it (the GPU's compiled export
+    op returned uninitialised final states so: ``slots`` stood in as ``ht``). Each
+    launch's arguments are recorded on the way through wrap_triton; the results are
+    still checked against the reference."""
     from kda_op import _compat
     from kda_op.ops import _reference_fwd
     from kda_op.triton_kernels.fwd import kda_fwd_triton_export
@@ -1466,7 +1470,7 @@ def test_triton_traced_launches_pass_every_parameter(packed, fused, monkeypatch)
 
         def __getitem__(self, grid):
             def run(*args, **kwargs):
-                launches.append((self.fn, len(args), set(kwargs)))
+                launches.append((self.fn, args, dict(kwargs)))
                 return self.launcher[grid](*args, **kwargs)
             return run
 
@@ -1483,8 +1487,9 @@ def test_triton_traced_launches_pass_every_parameter(packed, fused, monkeypatch)
         cu, gate = None, None
     dev = lambda x: None if x is None else x.to(DEVICE)  # noqa: E731
     gate_d = None if gate is None else tuple(dev(x) if isinstance(x, torch.Tensor) else x for x in gate)
-    o, ht, _ = kda_fwd_triton_export(*(dev(x) for x in (q, k, v, g, beta)), None, dev(h0), gate=gate_d,
-                                     cu_seqlens=dev(cu))
+    inputs_d = [dev(x) for x in (q, k, v, g, beta)]
+    o, ht, _ = kda_fwd_triton_export(*inputs_d, None, dev(h0), gate=gate_d, cu_seqlens=dev(cu))
+    given = [t for t in inputs_d + [dev(h0), dev(cu)] + list(gate_d or ()) if isinstance(t, torch.Tensor)]
     o_ref, ht_ref, _, _ = _reference_fwd(q, k, v, g, beta, None, h0, gate, cu)
     _rel_close(o, o_ref, "o")
     _rel_close(ht, ht_ref, "final_state")
@@ -1505,10 +1510,17 @@ def test_triton_traced_launches_pass_every_parameter(packed, fused, monkeypatch)
         launched |= {"kda_gam_fwd_kernel"} if packed else {"kda_intra_a_fwd_steep_kernel"}
     assert launched <= names, sorted(names)
     assert ("kda_intra_fused_fwd_kernel" in names) == bool(fused)
-    for fn, n_args, kwargs in launches:
+    inputs = {t.untyped_storage().data_ptr() for t in given}
+    for fn, args, kwargs in launches:
         params = list(inspect.signature(fn.fn).parameters)
-        missing = set(params[n_args:]) - kwargs
+        missing = set(params[len(args):]) - set(kwargs)
         assert not missing, f"{fn.__name__}: traced launch leaves {sorted(missing)} to their defaults"
+        by_storage = {}
+        for name, value in {**dict(zip(params, args)), **kwargs}.items():
+            if isinstance(value, torch.Tensor):
+                by_storage.setdefault(value.untyped_storage().data_ptr(), []).append(name)
+        shared = [names for ptr, names in by_storage.items() if len(names) > 1 and ptr not in inputs]
+        assert not shared, f"{fn.__name__}: one tensor passed as {shared}"
 
 
 @pytest.mark.parametrize("one_launch", [1, 0])

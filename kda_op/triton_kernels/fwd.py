@@ -116,7 +116,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # unless fla's gate makes every log decay <= 0 (the softplus form, or lower_bound
     # <= 0): intra_a_fwd then reads them off rows of gam (settings.GAM_ROW_SPREADS)
     row_spreads = bool(S.GAM_ROW_SPREADS) and (ga["GATE"] == 1 or (ga["GATE"] == 2 and ga["lower_bound"] <= 0))
-    spreads = torch.empty(B * NC * HV * NKB * 2, **f32) if gam_kernel and not row_spreads else gam
+    spreads = torch.empty(B * NC * HV * NKB * 2, **f32) if gam_kernel and not row_spreads else _stand_in(gam, traced)
     if gam_kernel:
         _kernel(kda_gam_fwd_kernel, traced)[(NC, B * HV, NKB)](
             g, gam, spreads, ga["A_log"], ga["dt_bias"], ga["lower_bound"], *s["VL_CHUNK"], T, NC, H=s["H"], HV=HV,
@@ -152,7 +152,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s, common, traced)
     # the diagonal blocks' inverses in programs of their own (settings.INTRA_DIAG_INV_KERNEL)
     diag_inv = bool(S.INTRA_DIAG_INV_KERNEL)
-    dinv = torch.empty(B, T, HV, BC, **f32) if diag_inv else akk  # akk: a stand-in, never read
+    dinv = torch.empty(B, T, HV, BC, **f32) if diag_inv else _stand_in(akk, traced)  # a stand-in, never read
     if diag_inv:
         if S.DIAG_INV_BLOCKS not in (1, 2, 4):
             raise ValueError(f"settings.DIAG_INV_BLOCKS: expected 1, 2 or 4, got {S.DIAG_INV_BLOCKS!r}")
@@ -221,7 +221,7 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
     cancellations cost them two digits: tests/test_intra_fused_fwd.py)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
-    tm = out["tm"] if store_tm else akk  # a stand-in without STORE_TM, never written
+    tm = out["tm"] if store_tm else _stand_in(akk, traced)  # a stand-in without STORE_TM, never written
     # fla's gate forms (softplus; lower_bound <= 0) make every log decay <= 0
     nonpositive = ga["GATE"] == 1 or (ga["GATE"] == 2 and ga["lower_bound"] <= 0)
     # the kernel's own block references (settings.INTRA_FUSED_BLOCK_REFS)
@@ -244,7 +244,7 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
         return
     _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s, common, traced)
     _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-        k, v, beta, gam, akk, akk, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=False,
+        k, v, beta, gam, akk, _stand_in(akk, traced), w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=False,
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
         STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS, BF16_DOTS=s["WU_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], W_FIRST=w_first, FAST_EXP=_fast_exp(),
@@ -384,6 +384,17 @@ def _fuses_output(s: dict, x: dict) -> bool:
             and x["w"].dtype == torch.bfloat16 and s["BK"] <= 128)
 
 
+def _stand_in(tensor: Tensor, traced: bool) -> Tensor:
+    """What a launch passes for a pointer its kernel will not touch (an absent h0, ht, slots,
+    ...): ``tensor`` itself, or under tracing a one-element tensor of its own. Functionalised,
+    every pointer that may flow to a store is cloned and written back on its own (inductor and
+    torch.export see the scans' stores to ht through scan_ends, which takes h0, ht and slots);
+    a stand-in that aliases a tensor the kernel does write then writes its unchanged clone
+    back over it. On the GPU (thirty-third session) the compiled export op's final states came
+    out as uninitialised memory that way: slots stood in as ht."""
+    return torch.empty(1, device=tensor.device, dtype=tensor.dtype) if traced else tensor
+
+
 def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk_states: Optional[Tensor],
                       ht: Optional[Tensor], o: Tensor, s: dict, prec: str, traced: bool,
                       slots: Optional[Tensor] = None, v_first: bool = False) -> None:
@@ -396,9 +407,10 @@ def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk
     T, HV, K, V, NC = s["T"], s["HV"], s["K"], s["V"], s["NC"]
     store_states = chunk_states is not None
     _kernel(kda_state_output_fwd_kernel, traced)[(_cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
-        x["kr"], x["w"], x["u"], x["gam"], x["qg"], x["aqk"], o if h0 is None else h0, o if up is None else up,
-        o if chunk_states is None else chunk_states, o if ht is None else ht, o, *s["VL_SEQ"], T, NC, s["H"], HV,
-        o if slots is None else slots,
+        x["kr"], x["w"], x["u"], x["gam"], x["qg"], x["aqk"], _stand_in(o, traced) if h0 is None else h0,
+        _stand_in(o, traced) if up is None else up,
+        _stand_in(o, traced) if chunk_states is None else chunk_states, _stand_in(o, traced) if ht is None else ht, o,
+        *s["VL_SEQ"], T, NC, s["H"], HV, _stand_in(o, traced) if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, DOT_PREC=prec, STORE_HT=ht is not None, STORE_STATES=store_states,
         STORE_UP=up is not None, BF16_DOTS=s["SCAN_BF16_DOTS"], OUTPUT_BF16_DOTS=s["OUTPUT_BF16_DOTS"],
@@ -420,10 +432,11 @@ def _state_scan_fwd(x: dict, h0: Optional[Tensor], up: Tensor, chunk_states: Ten
     sequence's first chunk in up are not written (the output reads U there).
     ``skip_unkept_state``: a one-chunk sequence forms no state that nothing keeps."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
-    ht_or_stand_in = chunk_states if ht is None else ht
+    ht_or_stand_in = _stand_in(chunk_states, traced) if ht is None else ht
     _kernel(kda_state_fwd_kernel, traced)[(_cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
-        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else ht_or_stand_in, up, chunk_states,
-        ht_or_stand_in, *s["VL_SEQ"], T, NC, s["H"], HV, ht_or_stand_in if slots is None else slots,
+        x["kr"], x["w"], x["u"], x["gam"], h0 if h0 is not None else _stand_in(ht_or_stand_in, traced), up,
+        chunk_states, ht_or_stand_in, *s["VL_SEQ"], T, NC, s["H"], HV,
+        _stand_in(ht_or_stand_in, traced) if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_FWD"],
         HAS_H0=h0 is not None, STORE_HT=ht is not None, DOT_PREC=prec, BF16_DOTS=s["SCAN_BF16_DOTS"], INTERPRET=_INTERPRET,
         IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first, COMPACT_STATES=s["COMPACT_STATES"],
@@ -453,7 +466,7 @@ def _output_fwd(x: dict, up: Tensor, chunk_states: Tensor, o: Tensor, s: dict, p
     bv_out = S.BV_OUTPUT or s["BV"]
     _kernel(kda_output_fwd_kernel, traced)[(_cdiv(V, bv_out), NC, B * HV)](
         x["qg"], x["aqk"], up, x["u"], chunk_states, o, *s["VL_CHUNK"], T, NC, s["H"], HV,
-        o if slots is None else slots,
+        _stand_in(o, traced) if slots is None else slots,
         K=K, V=V, BT=BT, BK=s["BK"], BV=bv_out,
         DOT_PREC=prec, BF16_DOTS=s["OUTPUT_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
         POOL=slots is not None, HAS_H0=has_h0 or slots is not None, FIRST_FROM_U=first_from_u,
