@@ -1341,6 +1341,67 @@ def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
             assert err < 1e-2, (name, keep, err)
 
 
+
+# intra_a_fwd's split factors overflow on the steep chunk (dropped there)
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("problem", ["three_paths", "three_paths_common_refs", "packed_bounded_gate"])
+def test_triton_transient_akk_in_bf16_keeps_the_forward_at_its_bf16_error(problem, monkeypatch):
+    """settings.TRANSIENT_AKK_BF16: a forward that keeps nothing, on bf16 inputs, holds A_kk
+    in bf16 between intra_a_fwd (every path's stores: split, block references, the steep
+    launch, the row programs of fla's bounded gate) and diag_inv / intra_wu_fwd; a forward
+    that keeps its intermediates keeps it in fp32. o and the final state stay within bf16
+    error of the fp64 reference and near the fp32 A_kk's."""
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+
+    seen = []
+    intra_fwd = fwd._intra_fwd
+
+    def recording(*args, **kwargs):
+        x = intra_fwd(*args, **kwargs)
+        seen.append(x["akk"].dtype)
+        return x
+
+    monkeypatch.setattr(fwd, "_intra_fwd", recording)
+    monkeypatch.setattr(settings, "INTRA_FUSED_FWD", 0)  # the separate launches, whose A_kk this is
+    gate = cu = None
+    if problem == "packed_bounded_gate":
+        # fla's bounded gate: intra_a_fwd_rows.py forms the A's (INTRA_A_ROW_PROGRAMS)
+        cu, (q, k, v, g, beta), gate, _ = _packed_problem([40, 64, 150, 1], 53, True, decay=0.2)
+        h0 = None
+    else:
+        monkeypatch.setattr(settings, "INTRA_A_BLOCK_REFS", int(problem == "three_paths_common_refs"))
+        inputs = _three_path_inputs(19, 32, seed=61)
+        q, k, v, g, beta = (inputs[n].cpu() for n in NAMES)
+        h0 = inputs["initial_state"].cpu()
+    xbf = [x if n == "g" else x.to(torch.bfloat16) for n, x in zip(NAMES, (q, k, v, g.float(), beta))]
+    gate_d = None if gate is None else tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d = None if cu is None else cu.to(DEVICE)
+    h0_d = None if h0 is None else h0.float().to(DEVICE)
+    want = _reference_fwd(*[x.double() for x in xbf], None, None if h0 is None else h0.double(), gate, cu)
+    outs = {}
+    for on in (0, 1):
+        monkeypatch.setattr(settings, "TRANSIENT_AKK_BF16", on)
+        seen.clear()
+        outs[on] = kda_fwd_triton(*[x.to(DEVICE) for x in xbf], None, h0_d, gate=gate_d, cu_seqlens=cu_d)[:2]
+        assert seen == [torch.bfloat16 if on else torch.float32], seen
+    # kept intermediates: A_kk stays fp32
+    seen.clear()
+    kda_fwd_triton(*[x.to(DEVICE) for x in xbf], None, h0_d, keep_intermediates=True, gate=gate_d, cu_seqlens=cu_d)
+    assert seen == [torch.float32], seen
+    for i, name in enumerate(("o", "final_state")):
+        ref = want[i]
+        err = {on: ((outs[on][i].cpu().double() - ref).norm() / ref.norm()).item() for on in (0, 1)}
+        diff = ((outs[1][i].double() - outs[0][i].double()).norm() / ref.norm()).item()
+        # A_kk was rounded (o: the three-path problem's final state is its steep last chunk's
+        # alone, whose small A's round away in W and U's own bf16)
+        assert name != "o" or 0 < diff, "the setting changed nothing"
+        # bf16 outputs and operands (2^-8): the reference error is a few 1e-3 either way;
+        # A_kk's rounding (2^-9 relative, as fla's bf16 inverse) may add about as much
+        assert err[1] < 1e-2 and err[1] <= 1.5 * err[0] + 2e-3, (name, err)
+        assert diff < 5e-3, (name, diff)
+
 def test_triton_backward_scan_v_block_of_16_takes_four_warps(monkeypatch):
     """settings.BV_SCAN_BWD_MIN = 16 (bf16 operands, few heads): the fused backward scan runs
     V blocks of 16 at SCAN_BWD_WARPS_BV16 warps (eight faulted on the H200) where BK <= 128,

@@ -89,7 +89,10 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         operand = dict(device=q.device, dtype=scan_operand_dtype(q.dtype))
         out = dict(
             gam=torch.empty(B, T, HV, K, **f32),
-            akk=torch.empty(B, T, HV, BT, **f32),
+            # only diag_inv and intra_wu_fwd read it, below (settings.TRANSIENT_AKK_BF16)
+            akk=torch.empty(B, T, HV, BT, device=q.device,
+                            dtype=(torch.bfloat16 if S.TRANSIENT_AKK_BF16 and not store_tm
+                                   and q.dtype == torch.bfloat16 else torch.float32)),
             aqk=torch.empty(B, T, HV, BT, device=q.device, dtype=aqk_dtype(q.dtype)),
             # Traced: flat with one spare entry, so that no dimension of it is NC,
             # whose contiguity check would guard NC != 1 (i.e. T > 64).

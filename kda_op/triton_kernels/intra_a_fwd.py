@@ -326,14 +326,15 @@ def _a_chunk(
     tl.store(steep, mode.to(tl.int32))
     if mode < 2:
         p_a = (o_t[:, None]) * (HV * BT) + o_r[None, :]
-        tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
+        tl.store(akk + p_a, as_stored(tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), akk,
+                                      INTERPRET).to(akk.dtype.element_ty), mask=m_t[:, None])
         tl.store(aqk + p_a, as_stored(tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), aqk,
                                       INTERPRET).to(aqk.dtype.element_ty), mask=m_t[:, None])
         if R < BT:  # the columns past the tile: zero (above the diagonal of every row here)
             o_z = R + tl.arange(0, BT - R)
             p_z = (o_t[:, None]) * (HV * BT) + o_z[None, :]
             b_z = tl.zeros([R, BT - R], dtype=tl.float32)
-            tl.store(akk + p_z, b_z, mask=m_t[:, None])
+            tl.store(akk + p_z, b_z.to(akk.dtype.element_ty), mask=m_t[:, None])
             tl.store(aqk + p_z, b_z.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
 @triton.jit
@@ -448,8 +449,9 @@ def _steep_a_item(q, k, gam, akk, aqk, steep, cu_seqlens, chunk_index, scale, T,
                     b_aqk += tl.dot(b_qi * b_em, b_kcb, input_precision=DOT_PREC)
             if spread <= MAX_SPLIT:
                 # the whole row, zero above the diagonal (kept intermediates: every byte written)
-                tl.store(akk + row_off + o_r[None, :], tl.where(o_r[None, :] < o_i[:, None], b_akk, 0.0),
-                         mask=m_i[:, None])
+                tl.store(akk + row_off + o_r[None, :],
+                         as_stored(tl.where(o_r[None, :] < o_i[:, None], b_akk, 0.0), akk,
+                                   INTERPRET).to(akk.dtype.element_ty), mask=m_i[:, None])
                 tl.store(aqk + row_off + o_r[None, :],
                          as_stored(tl.where(o_r[None, :] <= o_i[:, None], b_aqk, 0.0), aqk,
                                    INTERPRET).to(aqk.dtype.element_ty), mask=m_i[:, None])
@@ -496,11 +498,14 @@ def _steep_a_item(q, k, gam, akk, aqk, steep, cu_seqlens, chunk_index, scale, T,
                 # are above the diagonal, zero (the A's are returned as kept intermediates,
                 # whose every byte is written)
                 outside = (before | (o_r >= (i_i + 1) * BC))[None, :]
-                tl.store(akk + row_off + o_r[None, :], tl.where(before[None, :], b_akk, 0.0), mask=m_i[:, None] & outside)
+                tl.store(akk + row_off + o_r[None, :],
+                         as_stored(tl.where(before[None, :], b_akk, 0.0), akk, INTERPRET).to(akk.dtype.element_ty),
+                         mask=m_i[:, None] & outside)
                 tl.store(aqk + row_off + o_r[None, :],
                          as_stored(tl.where(before[None, :], b_aqk, 0.0), aqk, INTERPRET).to(aqk.dtype.element_ty),
                          mask=m_i[:, None] & outside)
                 col = i_i * BC + o_c[None, :]
-                tl.store(akk + row_off + col, tl.where(o_c[:, None] > o_c[None, :], b_akk_d, 0.0), mask=m_i[:, None])
+                tl.store(akk + row_off + col, as_stored(tl.where(o_c[:, None] > o_c[None, :], b_akk_d, 0.0), akk,
+                                                        INTERPRET).to(akk.dtype.element_ty), mask=m_i[:, None])
                 tl.store(aqk + row_off + col, as_stored(tl.where(o_c[:, None] >= o_c[None, :], b_aqk_d, 0.0), aqk,
                                                         INTERPRET).to(aqk.dtype.element_ty), mask=m_i[:, None])

@@ -133,7 +133,8 @@ def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, H
         b_akk += tl.dot(b_ki * b_ei, b_kc, input_precision=DOT_PREC)
         b_aqk += tl.dot(b_qi * b_ei, b_kc, input_precision=DOT_PREC)
     p_a = o_i[:, None] * (HV * BT) + o_j[None, :]
-    tl.store(akk + p_a, tl.where(o_i[:, None] > o_j[None, :], b_akk, 0.0), mask=m_i[:, None])
+    tl.store(akk + p_a, as_stored(tl.where(o_i[:, None] > o_j[None, :], b_akk, 0.0), akk,
+                                  INTERPRET).to(akk.dtype.element_ty), mask=m_i[:, None])
     tl.store(aqk + p_a, as_stored(tl.where(o_i[:, None] >= o_j[None, :], b_aqk, 0.0), aqk,
                                   INTERPRET).to(aqk.dtype.element_ty), mask=m_i[:, None])
     if CW < BT:  # every byte of the rows written (kept intermediates): the columns from CW zero
@@ -141,5 +142,5 @@ def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, H
         p_z = o_i[:, None] * (HV * BT) + o_z[None, :]
         m_z = m_i[:, None] & (o_z >= CW)[None, :]
         b_z = tl.zeros([BC, BT], dtype=tl.float32)
-        tl.store(akk + p_z, b_z, mask=m_z)
+        tl.store(akk + p_z, b_z.to(akk.dtype.element_ty), mask=m_z)
         tl.store(aqk + p_z, b_z.to(aqk.dtype.element_ty), mask=m_z)

@@ -82,6 +82,13 @@ DIAG_INV_WARPS = 1
 # B2-T8192-H8-HV32 with 4 (forward 1.600 -> 1.569 ms; 2: 0.042; 4 at two warps 0.123),
 # 0.020 -> 0.013 at B1-T8192-H16.
 DIAG_INV_BLOCKS = 4
+# A_kk in bf16 (1) rather than fp32 where it lives only inside the forward's intra-chunk
+# stage (nothing kept: the no-grad forward, the pool's prefill, the export op), for bf16
+# inputs. It is read there by diag_inv and intra_wu_fwd, whose Tm dots round it to TF32
+# anyway; fla stores its inverse in bf16. Half of A_kk's bytes: about 0.5 GB less written
+# and read at B8-T8192-H16. Kept A_kk (training, the backward's recompute) stays fp32.
+# Built 2026-12-06 without a device: 0 until timed.
+TRANSIENT_AKK_BF16 = 0
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
