@@ -87,8 +87,10 @@ DIAG_INV_BLOCKS = 4
 # inputs. It is read there by diag_inv and intra_wu_fwd, whose Tm dots round it to TF32
 # anyway; fla stores its inverse in bf16. Half of A_kk's bytes: about 0.5 GB less written
 # and read at B8-T8192-H16. Kept A_kk (training, the backward's recompute) stays fp32.
-# Built 2026-12-06 without a device: 0 until timed.
-TRANSIENT_AKK_BF16 = 0
+# H100 (2026-12-06, ours alone, with INTRA_A_MODE_LOOPS and FUSED_OUTPUT_GLAST_AHEAD):
+# forward 2.773 -> 2.732 ms at B8 (intra_a_fwd 0.812 -> 0.771, intra_wu_fwd 0.772 -> 0.769,
+# diag_inv 0.069 -> 0.078), 1.600 -> 1.589 at B2, 1.923 -> 1.900 at B1-T32768. On.
+TRANSIENT_AKK_BF16 = 1
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
@@ -137,11 +139,11 @@ INTRA_A_SPREAD_TILE = 1
 # 2.826 ms, step 12.48 -> 12.23), 0.493 -> 0.405 at B2-T8192-H8-HV32 (forward 1.710 ->
 # 1.619), 0.558 -> 0.432 at B1-T32768-H16 (2.065 -> 1.930); two or four stages gained less.
 # On packed sequences mixed (varlen-mixed-T8192: forward kernels 0.570 -> 0.530 ms, step's
-# 1.944 -> 1.968; the packed launch of that form spilled 1.7 KB, this one 136 B). Off: the CUDA suite under it
-# (test_cuda.py) failed twice, dh0 with NaN in one column at T = 9 (bf16, K = 128) and an
-# illegal address at bf16, K = 256, and the same file has not run under the plain defaults
-# to tell whether those are its own (benchmarks/NOTES.md, thirty-second session).
-INTRA_A_MODE_LOOPS = 0
+# 1.944 -> 1.968; the packed launch of that form spilled 1.7 KB, this one 136 B). The CUDA
+# failures once blamed on it (thirty-second session) were the backward scan's (thirty-third:
+# the defaults failed alike). Again on an H100 (2026-12-06): forward 3.085 -> 2.806 ms at
+# B8, 1.709 -> 1.601 at B2, 2.061 -> 1.922 at B1-T32768; on since.
+INTRA_A_MODE_LOOPS = 1
 INTRA_A_FWD_STAGES = 3  # Triton's default, as launched before the setting (2 and 4: slower, above)
 # gam = cumsum(g) in a launch of its own (gam_fwd.py, K blocks of BKG, GAM_WARPS
 # warps) before intra_a_fwd, which then reads gam and its middle and last rows
@@ -580,8 +582,9 @@ FUSED_OUTPUT_STAGES = 1
 # kernel). In its sm_90a SASS (Triton 3.6, bf16, K = V = 128, V block 64) that load, left
 # where it is used, issues after the output's stores and its wait sits on each chunk's chain
 # before the state update. Built 2026-12-05 without a device (the interpreter's tests: the
-# same bits): 0 until timed.
-FUSED_OUTPUT_GLAST_AHEAD = 0
+# same bits). H100 (2026-12-06, ours alone): kda_state_output_fwd 0.763 -> 0.730 ms at B8
+# (forward 2.806 -> 2.773 with INTRA_A_MODE_LOOPS); B2 and B1 do not take this kernel.
+FUSED_OUTPUT_GLAST_AHEAD = 1
 # The whole forward in one launch (one_pass_fwd.py; 1): one program per (V block, sequence *
 # value head) walks its chunks and forms gam, the A's, Tm, U', the output and the state on
 # chip, reading q, k, v, g, beta and writing o (and the chunk states where kept), instead of
