@@ -152,6 +152,23 @@ def aqk_dtype(input_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if BF16_AQK and input_dtype == torch.bfloat16 else torch.float32
 
 
+# A_kk (the chunk's strictly lower K-K block, read by the forward's diag_inv and
+# intra_wu_fwd, and by the backward's intra_bwd for dbeta) in bf16 for bf16 inputs
+# instead of fp32, in the kept intermediates and where it lives only inside the forward
+# alike, so that a forward that keeps nothing gives the bits of one that keeps. The Tm
+# dots read it at TF32 already; fla keeps its inverse in bf16. Built 2026-12-06: on an H100
+# (ours alone) its no-grad form took the B8-T8192-H16 forward 2.773 -> 2.732 ms; the
+# training step is not timed. Read by the CUDA kernels and the fake kernel's size of the
+# kept intermediates: set it before anything is traced.
+BF16_AKK = False
+
+
+def akk_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """dtype of A_kk in the CUDA forward: fp32, or bf16 for bf16 inputs under
+    ``BF16_AKK``."""
+    return torch.bfloat16 if BF16_AKK and input_dtype == torch.bfloat16 else torch.float32
+
+
 def _round_up(nbytes, multiple: int = 256):
     return (nbytes + multiple - 1) // multiple * multiple
 
@@ -165,7 +182,8 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
 
       gam  [B, T, HV, K] fp32      cumulative log decay in each chunk
       akk, aqk, tm  [B, T, HV, C] fp32   the chunk's A_kk, A_qk and (I + diag(beta) A_kk)^-1
-                                   (aqk_dtype: bf16 for bf16 inputs under BF16_AQK)
+                                   (akk_dtype, aqk_dtype: bf16 for bf16 inputs under
+                                   BF16_AKK, BF16_AQK)
       u    [B, T, HV, V] fp32      Tm diag(beta) V        (residual_dtype: bf16 for bf16 inputs)
       up   [B, T, HV, V] fp32      U - W S0, the residuals of the forward's scan (likewise)
       qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
@@ -182,7 +200,7 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
     operand = scan_operand_dtype(input_dtype)
     pieces = [
         ("gam", (B, T, HV, K), torch.float32),
-        ("akk", (B, T, HV, C), torch.float32),
+        ("akk", (B, T, HV, C), akk_dtype(input_dtype)),
         ("aqk", (B, T, HV, C), aqk_dtype(input_dtype)),
         ("tm", (B, T, HV, C), torch.float32),
         ("u", (B, T, HV, V), residual_dtype(input_dtype)),

@@ -1346,13 +1346,15 @@ def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
 @pytest.mark.parametrize("problem", ["three_paths", "three_paths_common_refs", "packed_bounded_gate"])
-def test_triton_transient_akk_in_bf16_keeps_the_forward_at_its_bf16_error(problem, monkeypatch):
-    """settings.TRANSIENT_AKK_BF16: a forward that keeps nothing, on bf16 inputs, holds A_kk
-    in bf16 between intra_a_fwd (every path's stores: split, block references, the steep
-    launch, the row programs of fla's bounded gate) and diag_inv / intra_wu_fwd; a forward
-    that keeps its intermediates keeps it in fp32. o and the final state stay within bf16
-    error of the fp64 reference and near the fp32 A_kk's."""
-    from kda_op.ops import _reference_fwd
+def test_triton_akk_in_bf16_keeps_the_forward_at_its_bf16_error(problem, monkeypatch):
+    """_contract.BF16_AKK: on bf16 inputs A_kk is stored in bf16 by every path of
+    intra_a_fwd (split, block references, the steep launch, the row programs of fla's
+    bounded gate) and read so by diag_inv, intra_wu_fwd and the backward, in the kept
+    intermediates as where nothing is kept: a forward that keeps nothing gives the bits of
+    one that keeps. o, the final state and the grads stay within bf16 error of the fp64
+    reference and near those of the fp32 A_kk."""
+    from kda_op import _contract
+    from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import fwd, settings
 
     seen = []
@@ -1368,39 +1370,46 @@ def test_triton_transient_akk_in_bf16_keeps_the_forward_at_its_bf16_error(proble
     gate = cu = None
     if problem == "packed_bounded_gate":
         # fla's bounded gate: intra_a_fwd_rows.py forms the A's (INTRA_A_ROW_PROGRAMS)
-        cu, (q, k, v, g, beta), gate, _ = _packed_problem([40, 64, 150, 1], 53, True, decay=0.2)
+        cu, (q, k, v, g, beta), gate, do = _packed_problem([40, 64, 150, 1], 53, True, decay=0.2)
         h0 = None
     else:
         monkeypatch.setattr(settings, "INTRA_A_BLOCK_REFS", int(problem == "three_paths_common_refs"))
         inputs = _three_path_inputs(19, 32, seed=61)
         q, k, v, g, beta = (inputs[n].cpu() for n in NAMES)
         h0 = inputs["initial_state"].cpu()
+        do = torch.randn(v.shape, generator=torch.Generator().manual_seed(62))
     xbf = [x if n == "g" else x.to(torch.bfloat16) for n, x in zip(NAMES, (q, k, v, g.float(), beta))]
+    dobf = do.to(torch.bfloat16)
     gate_d = None if gate is None else tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
     cu_d = None if cu is None else cu.to(DEVICE)
     h0_d = None if h0 is None else h0.float().to(DEVICE)
-    want = _reference_fwd(*[x.double() for x in xbf], None, None if h0 is None else h0.double(), gate, cu)
-    outs = {}
-    for on in (0, 1):
-        monkeypatch.setattr(settings, "TRANSIENT_AKK_BF16", on)
+    x64 = [x.double() for x in xbf]
+    h064 = None if h0 is None else h0.double()
+    want = _reference_fwd(*x64, None, h064, gate, cu)
+    want_grads = _reference_bwd(*x64, None, h064, want[2], dobf.double(), None, gate, cu)
+    args = [x.to(DEVICE) for x in xbf]
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(_contract, "BF16_AKK", on)
         seen.clear()
-        outs[on] = kda_fwd_triton(*[x.to(DEVICE) for x in xbf], None, h0_d, gate=gate_d, cu_seqlens=cu_d)[:2]
-        assert seen == [torch.bfloat16 if on else torch.float32], seen
-    # kept intermediates: A_kk stays fp32
-    seen.clear()
-    kda_fwd_triton(*[x.to(DEVICE) for x in xbf], None, h0_d, keep_intermediates=True, gate=gate_d, cu_seqlens=cu_d)
-    assert seen == [torch.float32], seen
-    for i, name in enumerate(("o", "final_state")):
-        ref = want[i]
-        err = {on: ((outs[on][i].cpu().double() - ref).norm() / ref.norm()).item() for on in (0, 1)}
-        diff = ((outs[1][i].double() - outs[0][i].double()).norm() / ref.norm()).item()
-        # A_kk was rounded (o: the three-path problem's final state is its steep last chunk's
-        # alone, whose small A's round away in W and U's own bf16)
-        assert name != "o" or 0 < diff, "the setting changed nothing"
+        o, ht, _, _ = kda_fwd_triton(*args, None, h0_d, gate=gate_d, cu_seqlens=cu_d)
+        o_kept, ht_kept, cs, kept = kda_fwd_triton(*args, None, h0_d, keep_intermediates=True, gate=gate_d,
+                                                   cu_seqlens=cu_d)
+        assert seen == [torch.bfloat16 if on else torch.float32] * 2, seen
+        assert torch.equal(o, o_kept) and torch.equal(ht, ht_kept)
+        grads = kda_bwd_triton(*args, None, h0_d, cs, dobf.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d)
+        results[on] = (o, ht) + tuple(grads[:6])
+    names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for i, (name, ref) in enumerate(zip(names, (want[0], want[1]) + tuple(want_grads))):
+        if ref is None or results[True][i] is None or results[True][i].numel() == 0:
+            continue
+        err = {on: ((results[on][i].cpu().double() - ref).norm() / ref.norm()).item() for on in (False, True)}
         # bf16 outputs and operands (2^-8): the reference error is a few 1e-3 either way;
         # A_kk's rounding (2^-9 relative, as fla's bf16 inverse) may add about as much
-        assert err[1] < 1e-2 and err[1] <= 1.5 * err[0] + 2e-3, (name, err)
-        assert diff < 5e-3, (name, diff)
+        assert err[True] < 1e-2 and err[True] <= 1.5 * err[False] + 2e-3, (name, err)
+    # A_kk was rounded: o moved
+    assert not torch.equal(results[True][0], results[False][0])
+
 
 def test_triton_backward_scan_v_block_of_16_takes_four_warps(monkeypatch):
     """settings.BV_SCAN_BWD_MIN = 16 (bf16 operands, few heads): the fused backward scan runs

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..reference import L2NORM_EPS
-from .._contract import aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
+from .._contract import akk_dtype, aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
 from . import settings as S
 from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
                     _intermediates_views, _kernel, _layout, _pow2, _range, _sizes, _sm_count, _steep_dot_precision,
@@ -89,10 +89,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         operand = dict(device=q.device, dtype=scan_operand_dtype(q.dtype))
         out = dict(
             gam=torch.empty(B, T, HV, K, **f32),
-            # only diag_inv and intra_wu_fwd read it, below (settings.TRANSIENT_AKK_BF16)
-            akk=torch.empty(B, T, HV, BT, device=q.device,
-                            dtype=(torch.bfloat16 if S.TRANSIENT_AKK_BF16 and not store_tm
-                                   and q.dtype == torch.bfloat16 else torch.float32)),
+            akk=torch.empty(B, T, HV, BT, device=q.device, dtype=akk_dtype(q.dtype)),
             aqk=torch.empty(B, T, HV, BT, device=q.device, dtype=aqk_dtype(q.dtype)),
             # Traced: flat with one spare entry, so that no dimension of it is NC,
             # whose contiguity check would guard NC != 1 (i.e. T > 64).

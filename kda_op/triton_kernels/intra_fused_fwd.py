@@ -236,7 +236,8 @@ def kda_intra_fused_fwd_kernel(
         b_m = tl.where(o_r[:, None] > o_r[None, :], b_beta[:, None] * b_akk, 0.0)
         b_tm = tm_from_block_inverses(b_m, diag_block_inverses(b_m, BT, BC, DIAG_INV_METHOD), BT, BC, DOT_PREC)
         if STORE_TM:
-            tl.store(akk + p_a, tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), mask=m_t[:, None])
+            tl.store(akk + p_a, as_stored(tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), akk,
+                                          INTERPRET).to(akk.dtype.element_ty), mask=m_t[:, None])
             tl.store(tm + p_a, b_tm, mask=m_t[:, None])
         # pass 2: W's columns in K slices of BK (gam formed again from g: in cache), U's in V blocks
         m_sw = m_t & ((o_r * 0 + store_w.to(tl.int32)) > 0)

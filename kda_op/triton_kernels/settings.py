@@ -82,20 +82,6 @@ DIAG_INV_WARPS = 1
 # B2-T8192-H8-HV32 with 4 (forward 1.600 -> 1.569 ms; 2: 0.042; 4 at two warps 0.123),
 # 0.020 -> 0.013 at B1-T8192-H16.
 DIAG_INV_BLOCKS = 4
-# A_kk in bf16 (1) rather than fp32 where it lives only inside the forward's intra-chunk
-# stage (nothing kept: the no-grad forward, the pool's prefill, the export op), for bf16
-# inputs. It is read there by diag_inv and intra_wu_fwd, whose Tm dots round it to TF32
-# anyway; fla stores its inverse in bf16. Half of A_kk's bytes: about 0.5 GB less written
-# and read at B8-T8192-H16. Kept A_kk (training, the backward's recompute) stays fp32.
-# H100 (2026-12-06, ours alone, with INTRA_A_MODE_LOOPS and FUSED_OUTPUT_GLAST_AHEAD):
-# forward 2.773 -> 2.732 ms at B8 (intra_a_fwd 0.812 -> 0.771, intra_wu_fwd 0.772 -> 0.769,
-# diag_inv 0.069 -> 0.078), 1.600 -> 1.589 at B2, 1.923 -> 1.900 at B1-T32768. Off: a forward
-# that keeps nothing would no longer give the bits of one that keeps its intermediates (a
-# no-grad forward's o would differ from a training forward's in the last bf16 bits;
-# test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output asserts that
-# they agree), for 1.5% of the forward. A_kk in bf16 in the kept intermediates too (the
-# backward's dbeta reads it) would keep them equal: not built.
-TRANSIENT_AKK_BF16 = 0
 # intra_wu_fwd's V block for U = Tm diag(beta) V (None: the common BV, 64 at K <=
 # 128). On the H200 (bf16, bench_kernels.py, 2026-11-30, seventh session)
 # intra_wu_fwd 0.625 -> 0.601 ms at B2-T8192-H8-HV32 and 0.182 -> 0.171 at
