@@ -2061,7 +2061,11 @@ def test_intra_bwd_takes_a_bf16_dot_for_do_and_u_prime(monkeypatch):
     fp32 = [inputs[n] for n in NAMES]
     o, ht, cs, kept = kda_fwd_triton(*fp32, None, h0, True)
     kda_bwd_triton(*fp32, None, h0, cs, torch.randn_like(o), None, kept)
-    assert seen == [False, True, False], seen
+    # on a GPU whose Triton leaves that dot's wgmma unfenced (3.6-3.8) the host keeps it at TF32
+    # (the H200, 2026-12-06: [False, False, False] there); the interpreter and Triton 3.9 take it
+    from kda_op.triton_kernels._host import _cp_async_wgmma_fenced
+
+    assert seen == [False, _cp_async_wgmma_fenced(), False], seen
 
 
 @pytest.mark.parametrize("case", ["batch", "packed-short-tiles", "packed-row-programs"])
@@ -2258,8 +2262,13 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
     U'^T takes no bf16 dots and passes U' through registers (UP_IN_REGISTERS). Every
     grad as from the other forms: bitwise for fp32 inputs (the same operations), to
     fp32 summation order for bf16 ones (bf16 against TF32 products of bf16 values)."""
+    from kda_op._compat import fences_wgmma_after_cp_async
     from kda_op.triton_kernels import bwd
 
+    if DEVICE == "cuda" and not fences_wgmma_after_cp_async():
+        # the unfenced forms are the hazard itself there: their grads may read stale tiles
+        # (the H200, 2026-12-06: dg off at bf16), so there is nothing to compare them with
+        pytest.skip("this Triton leaves a wgmma after cp.async unfenced on the GPU")
     inputs = _inputs(1, 2 * CHUNK_SIZE + 17, 1, 2, 32, 48, True, seed=141)
     args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
     h0 = inputs["initial_state"]

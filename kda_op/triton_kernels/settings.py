@@ -574,8 +574,11 @@ FUSED_OUTPUT_STAGES = 1
 # where it is used, issues after the output's stores and its wait sits on each chunk's chain
 # before the state update. Built 2026-12-05 without a device (the interpreter's tests: the
 # same bits). H100 (2026-12-06, ours alone): kda_state_output_fwd 0.763 -> 0.730 ms at B8
-# (forward 2.806 -> 2.773 with INTRA_A_MODE_LOOPS); B2 and B1 do not take this kernel.
-FUSED_OUTPUT_GLAST_AHEAD = 1
+# (forward 2.806 -> 2.773 with INTRA_A_MODE_LOOPS); B2 and B1 do not take this kernel. Off:
+# on the H200 (2026-12-06) its test (test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits,
+# K = 48, V = 40, V blocks of 32) found o's bits changed with it, and its process hit an illegal
+# memory access in the case without h0 that keeps nothing (which of the two forms, not known).
+FUSED_OUTPUT_GLAST_AHEAD = 0
 # The whole forward in one launch (one_pass_fwd.py; 1): one program per (V block, sequence *
 # value head) walks its chunks and forms gam, the A's, Tm, U', the output and the state on
 # chip, reading q, k, v, g, beta and writing o (and the chunk states where kept), instead of
