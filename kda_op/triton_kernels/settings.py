@@ -133,7 +133,8 @@ INTRA_A_SPREAD_TILE = 1
 # 1.944 -> 1.968; the packed launch of that form spilled 1.7 KB, this one 136 B). The CUDA
 # failures once blamed on it (thirty-second session) were the backward scan's (thirty-third:
 # the defaults failed alike). Again on an H100 (2026-12-06): forward 3.085 -> 2.806 ms at
-# B8, 1.709 -> 1.601 at B2, 2.061 -> 1.922 at B1-T32768; on since.
+# B8, 1.709 -> 1.601 at B2, 2.061 -> 1.922 at B1-T32768. On since; test_cuda.py passed whole
+# under it on the H200 the same day.
 INTRA_A_MODE_LOOPS = 1
 INTRA_A_FWD_STAGES = 3  # Triton's default, as launched before the setting (2 and 4: slower, above)
 # gam = cumsum(g) in a launch of its own (gam_fwd.py, K blocks of BKG, GAM_WARPS
