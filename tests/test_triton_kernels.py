@@ -754,6 +754,34 @@ def test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits(packed,
     assert (results[1][0].cpu().float() - want).norm() <= 1e-2 * want.norm()
 
 
+
+@pytest.mark.parametrize("ahead", [0, 1])
+@pytest.mark.parametrize("keep_chunk_states", [False, True])
+def test_triton_scan_writing_the_output_repeats_its_bits(ahead, keep_chunk_states, monkeypatch):
+    """The forward scan that writes the output, forced on at the scans' tests' odd sizes (K =
+    48, V = 40 in V blocks of 32, no initial state, nothing kept): the same call twice gives
+    the same bits, with and without its load of gam's row ahead and with and without chunk
+    states. On the H200 (2026-12-06) the two tests above found o's bits changed between forms
+    that should agree, and an illegal memory access in the case that keeps no chunk states;
+    this tells a nondeterministic launch from a difference of form, one case per process
+    line (pytest -v)."""
+    from kda_op.triton_kernels import settings
+
+    monkeypatch.setattr(settings, "BV_SCAN", 32)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT", 1)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_GLAST_AHEAD", ahead)
+    _, _, _, _, args = _bf16_scan_problem(False, False, [], (96, 0.05))
+    runs = []
+    for _ in range(2):
+        o, ht, cs, _ = kda_fwd_triton(*args, False, output_final_state=True, keep_chunk_states=keep_chunk_states)
+        runs.append([_bytes(x) for x in (o, ht, cs)])
+    assert runs[0][0].numel() > 0 and runs[0][1].numel() > 0
+    assert (runs[0][2].numel() > 0) == keep_chunk_states
+    for name, a, b in zip(("o", "final state", "chunk states"), *runs):
+        assert torch.equal(a, b), name
+
 def _reference_o(q, k, v, g, beta, h0, cu):
     """The fp32 reference's output for CPU inputs, packed where ``cu`` is given."""
     from kda_op.ops import _reference_fwd
