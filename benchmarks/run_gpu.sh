@@ -18,6 +18,8 @@
 #                                      # ours alone under the variants on the standard shapes
 #                                      # (kernels by GPU time), then the chunked kernels' CUDA
 #                                      # tests under KDA_TEST_SETTINGS
+#   bash benchmarks/run_gpu.sh xdist-tests    # test_cuda.py, test_triton_kernels.py, test_export_op.py,
+#                                      # test_pool.py with pytest-xdist (FILES, WORKERS), -v
 #   bash benchmarks/run_gpu.sh kernel-tests   # test_cuda.py and test_triton_kernels.py alone
 #   bash benchmarks/run_gpu.sh cuda-bisect    # test_cuda.py's cases that failed on 2026-12-05, one
 #                                      # process each under three settings, then the file whole
@@ -196,6 +198,22 @@ kernel-tests)
     step "CUDA tests of the chunked kernels, nothing else running"
     chunked_kernel_tests "${TEST_LIMIT:-540}" -v 1 2 3 4
     collect_tests
+    ;;
+xdist-tests)
+    # One call: the chunked kernels' and the serving paths' CUDA test files with pytest-xdist
+    # (on the GPU machine's python: fifteen workers compile side by side), -v so that each
+    # result is named as it comes in and a time limit loses none. On the H200 (2026-12-06) a
+    # fresh machine finished 90% of these in 225 s; with its Triton cache warm, all in 42 s.
+    # Then the fused-scan repeat test alone with launches blocking (its illegal access).
+    step "CUDA tests, pytest-xdist (FILES=${FILES:-the four below})"
+    timeout "${TEST_LIMIT:-300}" python3 -m pytest -n "${WORKERS:-15}" -v -p no:benchmark --tb=line \
+        ${FILES:-tests/test_cuda.py tests/test_triton_kernels.py tests/test_export_op.py tests/test_pool.py} \
+        > "$TLOGS/x.txt" 2>&1
+    grep -E "FAILED|ERROR|passed|failed" "$TLOGS/x.txt" | cut -c1-300 >> "$LOG"
+    tail -n 80 "$TLOGS/x.txt" | cut -c1-300 > "$OUT/xdist_tail.txt"
+    step "the fused scan's repeat test, CUDA_LAUNCH_BLOCKING=1"
+    CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 -m pytest -v -p no:benchmark --tb=short \
+        tests/test_triton_kernels.py -k "repeats_its_bits" >> "$LOG" 2>&1
     ;;
 groups-a)
     # One call (474 s on 2026-12-04): test_cuda.py but its fp32 cases, test_model.py in three
