@@ -729,10 +729,7 @@ def test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits(packed,
     change them); partial last chunks."""
     from kda_op.triton_kernels import fwd, settings
 
-    monkeypatch.setattr(settings, "BV_SCAN", 32)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT", 1)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)  # at these few programs
+    _fused_scan_at_small_sizes(monkeypatch)
     launches = []
     _on_launch(monkeypatch, fwd, "kda_state_output_fwd_kernel", lambda kw: launches.append(kw["GLAST_AHEAD"]))
     # weak decays (make_inputs' take a chunk's below 1e-20)
@@ -754,6 +751,16 @@ def test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits(packed,
     assert (results[1][0].cpu().float() - want).norm() <= 1e-2 * want.norm()
 
 
+def _fused_scan_at_small_sizes(monkeypatch) -> None:
+    """The forward scan that writes the output, on at the tests' few programs and V blocks of
+    32 (settings.FUSED_OUTPUT and its floors)."""
+    from kda_op.triton_kernels import settings
+
+    monkeypatch.setattr(settings, "BV_SCAN", 32)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT", 1)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)
+
 
 @pytest.mark.parametrize("ahead", [0, 1])
 @pytest.mark.parametrize("keep_chunk_states", [False, True])
@@ -767,10 +774,7 @@ def test_triton_scan_writing_the_output_repeats_its_bits(ahead, keep_chunk_state
     line (pytest -v)."""
     from kda_op.triton_kernels import settings
 
-    monkeypatch.setattr(settings, "BV_SCAN", 32)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT", 1)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)
+    _fused_scan_at_small_sizes(monkeypatch)
     monkeypatch.setattr(settings, "FUSED_OUTPUT_GLAST_AHEAD", ahead)
     _, _, _, _, args = _bf16_scan_problem(False, False, [], (96, 0.05))
     runs = []
@@ -781,6 +785,7 @@ def test_triton_scan_writing_the_output_repeats_its_bits(ahead, keep_chunk_state
     assert (runs[0][2].numel() > 0) == keep_chunk_states
     for name, a, b in zip(("o", "final state", "chunk states"), *runs):
         assert torch.equal(a, b), name
+
 
 def _reference_o(q, k, v, g, beta, h0, cu):
     """The fp32 reference's output for CPU inputs, packed where ``cu`` is given."""
@@ -1367,7 +1372,6 @@ def test_triton_bf16_inputs_match_reference(bf16_dots, monkeypatch):
             # (dk) with the bf16 options, whose largest change is dg's (1.4e-3) under
             # WU_BF16_DOTS and BF16_RESIDUALS.
             assert err < 1e-2, (name, keep, err)
-
 
 
 # intra_a_fwd's split factors overflow on the steep chunk (dropped there)
