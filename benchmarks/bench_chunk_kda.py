@@ -278,13 +278,15 @@ def parse_setting(setting: str) -> dict:
 
 
 def setting_value(default, value: str):
-    """A setting's value from text, typed as its default (int where None, 0/1 for
-    bools); "None" gives None."""
+    """A setting's value from text, typed as its default (int where None; 0/1 or
+    False/True for bools); "None" gives None."""
     if value == "None":
         return None
     if default is None:
         return int(value)
     if isinstance(default, bool):
+        if value in ("True", "False"):
+            return value == "True"
         return bool(int(value))
     return type(default)(value)
 

@@ -27,19 +27,33 @@ torch._functorch.config.enable_autograd_cache = False
 def _test_settings() -> dict:
     """``KDA_TEST_SETTINGS="NAME=VALUE,..."``: the whole suite under other values of
     kda_op/triton_kernels/settings.py's upper-case settings (say, ones that stay off
-    until the GPU has run every test with them on); values are Python literals."""
+    until the GPU has run every test with them on) and of kda_op._contract's storage
+    dtypes (BF16_AKK, ...); values are Python literals."""
     import ast
-
-    from kda_op.triton_kernels import settings
 
     changes = {}
     for item in filter(None, os.environ.get("KDA_TEST_SETTINGS", "").split(",")):
         name, sep, value = item.partition("=")
         name = name.strip()
-        if not sep or not name.isupper() or not hasattr(settings, name):
-            raise pytest.UsageError(f"KDA_TEST_SETTINGS: {item!r} is not NAME=VALUE of a setting in settings.py")
+        if not sep or not name.isupper() or _setting_owner(name) is None:
+            raise pytest.UsageError(f"KDA_TEST_SETTINGS: {item!r} is not NAME=VALUE of a setting in settings.py "
+                                    f"or of kda_op._contract's {', '.join(_CONTRACT_SETTINGS)}")
         changes[name] = ast.literal_eval(value.strip())
     return changes
+
+
+# the intermediates' storage dtypes, which the fake kernels' layout follows too
+_CONTRACT_SETTINGS = ("BF16_RESIDUALS", "BF16_CHUNK_STATES", "BF16_AQK", "BF16_AKK")
+
+
+def _setting_owner(name: str):
+    """The module that holds the setting ``name`` (settings.py or kda_op._contract), or None."""
+    from kda_op import _contract
+    from kda_op.triton_kernels import settings
+
+    if name in _CONTRACT_SETTINGS:
+        return _contract
+    return settings if hasattr(settings, name) else None
 
 
 def pytest_report_header(config):
@@ -48,10 +62,8 @@ def pytest_report_header(config):
 
 
 def pytest_configure(config):
-    from kda_op.triton_kernels import settings
-
     for name, value in _test_settings().items():
-        setattr(settings, name, value)
+        setattr(_setting_owner(name), name, value)
     if os.environ.get("TRITON_INTERPRET") == "1":
         from kda_op._compat import interpreter_numpy_problem
 
