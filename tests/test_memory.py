@@ -99,14 +99,16 @@ def test_triton_forward_without_grad_keeps_no_chunk_states(monkeypatch):
     from kda_op.triton_kernels import kda_fwd_triton, settings
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 16)  # the fused scan at these tiny shapes
+    # the fused scan at these tiny shapes, in its V block on a GPU (64: fwd._FUSED_OUTPUT_DEVICE_MIN_BV)
+    monkeypatch.setattr(settings, "BV_SCAN", 64)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 64)
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)  # ... and few programs
     # The diagonal blocks' inverses inside intra_wu_fwd, not in a buffer of their own: that
-    # buffer (B * T * HV * 16 fp32, live during the intra-chunk stage) is U''s size here, so
+    # buffer (B * T * HV * 16 fp32, live during the intra-chunk stage) was U''s size at V = 32, so
     # on the GPU it set the fused forward's peak (2026-12-05, H100: 32,672 bytes below the
     # scan-then-output forward's instead of 76,800); the interpreter's own copies hid it.
     monkeypatch.setattr(settings, "INTRA_DIAG_INV_KERNEL", 0)
-    B, T, HV, K, V = 2, 3 * 64 - 20, 2, 32, 32
+    B, T, HV, K, V = 2, 3 * 64 - 20, 2, 32, 64
     inputs = make_inputs(B=B, T=T, H=1, G=HV, K=K, V=V, dtype=torch.float32, seed=11)
     args = [inputs[n].to(device=device, dtype=torch.float32 if n == "g" else torch.bfloat16)
             for n in ("q", "k", "v", "g", "beta")] + [None, None]

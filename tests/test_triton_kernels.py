@@ -607,6 +607,29 @@ def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, 
         _check_o_and_grads(results[1][0], results[1][4:], (q, k, v, g, beta), h0, do, dht, cu)
 
 
+# The fused forward scan's V block in its tests: 32 under the interpreter (two blocks of V =
+# 40, the second partial), 64 on a GPU, its floor there (fwd._FUSED_OUTPUT_DEVICE_MIN_BV).
+FUSED_SCAN_BV = 32 if DEVICE == "cpu" else 64
+
+
+def test_fused_scan_never_takes_v_blocks_below_its_device_floor(monkeypatch):
+    """On a GPU the scan that writes the output is not taken in V blocks below 64, whatever
+    settings.FUSED_OUTPUT_MIN_BV says (its sm_90 build is wrong there: fwd.py); the
+    interpreter takes them (fwd._fuses_output, with fwd._INTERPRET as on either)."""
+    from kda_op.triton_kernels import fwd, settings
+
+    _fused_scan_at_small_sizes(monkeypatch)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+    _, _, _, _, args = _bf16_scan_problem(False, False, [], (97, None))
+    q, v = args[0], args[2]
+    for bv, on_device, fused in ((32, False, True), (32, True, False), (64, True, True)):
+        monkeypatch.setattr(settings, "BV_SCAN", bv)
+        monkeypatch.setattr(fwd, "_INTERPRET", not on_device)
+        s = fwd._sizes(q, v, has_initial_state=False)
+        assert s["BV_SCAN_FWD"] == bv
+        assert fwd._fuses_output(s, {"w": q}) == fused, (bv, on_device)
+
+
 def _bf16_scan_problem(packed, with_h0, lengths, seed_decay):
     """The scans' tests' inputs, q, k, v and beta in bf16: packed sequences of ``lengths``
     (no initial state; ``_packed_problem`` with log decays in [-decay, 0)), or two sequences
@@ -644,9 +667,9 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
     FUSED_OUTPUT_MIN_BV, and on fp32 inputs, the scan and the output kernel run as before."""
     from kda_op.triton_kernels import fwd, settings
 
-    monkeypatch.setattr(settings, "BV_SCAN", 32)  # the scan's V block = the output's
-    monkeypatch.setattr(settings, "BV_OUTPUT", 32)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+    monkeypatch.setattr(settings, "BV_SCAN", FUSED_SCAN_BV)  # the scan's V block = the output's
+    monkeypatch.setattr(settings, "BV_OUTPUT", FUSED_SCAN_BV)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", FUSED_SCAN_BV)
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)  # at these few programs
     launches = []
     for name in ("kda_state_output_fwd_kernel", "kda_output_fwd_kernel", "kda_state_fwd_kernel"):
@@ -697,12 +720,12 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
     kda_fwd_triton(*args, keep, cu_seqlens=cu_d)
     assert launches == unfused_launches, launches
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 64)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 2 * FUSED_SCAN_BV)
     launches.clear()
     kda_fwd_triton(*args, keep, cu_seqlens=cu_d)
     assert launches == unfused_launches, launches
     if not packed and with_h0:
-        monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+        monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", FUSED_SCAN_BV)
         launches.clear()
         kda_fwd_triton(*(t.float() if t is not None and t.dtype == torch.bfloat16 else t for t in args), keep)
         assert launches == unfused_launches, launches
@@ -753,12 +776,12 @@ def test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits(packed,
 
 def _fused_scan_at_small_sizes(monkeypatch) -> None:
     """The forward scan that writes the output, on at the tests' few programs and V blocks of
-    32 (settings.FUSED_OUTPUT and its floors)."""
+    FUSED_SCAN_BV (settings.FUSED_OUTPUT and its floors)."""
     from kda_op.triton_kernels import settings
 
-    monkeypatch.setattr(settings, "BV_SCAN", 32)
+    monkeypatch.setattr(settings, "BV_SCAN", FUSED_SCAN_BV)
     monkeypatch.setattr(settings, "FUSED_OUTPUT", 1)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", 32)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", FUSED_SCAN_BV)
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)
 
 

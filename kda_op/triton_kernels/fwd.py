@@ -365,6 +365,16 @@ def _one_pass_serves(q: Tensor, s: dict, gate: Optional[tuple]) -> bool:
             and programs >= S.ONE_PASS_MIN_PROGRAMS_PER_SM * _sm_count(q.device))
 
 
+# The fused scan's V-block floor on a GPU, below any FUSED_OUTPUT_MIN_BV: in V blocks of 32 its
+# sm_90 build (Triton 3.6; H100 and H200, 2026-12-06, profiling/fused_scan_diff.py) gives
+# wrong outputs and states, rows 16.. of each chunk on (the rows of warps 1-3), differing from
+# run to run, at every size tried (K 48 to 128, V 40 to 128), and an illegal memory access at
+# K = V = 128; the same kernel in V blocks of 64 gave the scan-then-output's bits. The defaults fuse only at
+# 64 (FUSED_OUTPUT_MIN_BV); this keeps a lowered setting from reaching the broken build. The
+# interpreter runs the V blocks of 32 (its tests' small sizes).
+_FUSED_OUTPUT_DEVICE_MIN_BV = 64
+
+
 def _fuses_output(s: dict, x: dict) -> bool:
     """Whether the forward scan writes the output itself (settings.FUSED_OUTPUT,
     state_output_fwd.py): where its V block is at least FUSED_OUTPUT_MIN_BV, i.e. where
@@ -372,6 +382,7 @@ def _fuses_output(s: dict, x: dict) -> bool:
     each chunk's step of a latency-bound scan), and on bf16 operands (bf16 inputs) with
     K <= 128, what it was built for: on fp32 operands it spills 0.6-7 KB (sm_90a, TF32
     dots), and at K = 256 with fp16 inputs it needs more shared memory than the H200 has.
+    On a GPU never below V blocks of 64 (_FUSED_OUTPUT_DEVICE_MIN_BV).
     And where its programs outnumber FUSED_OUTPUT_MIN_PROGRAMS_PER_SM an SM: at one an SM
     the fused step, longer than the scan's, sets the time (timed, settings.py). A sequence
     count that stays symbolic (the export op) counts as one, as for the V block: no guard."""
@@ -379,7 +390,8 @@ def _fuses_output(s: dict, x: dict) -> bool:
         raise ValueError(f"settings.FUSED_OUTPUT: expected 0 or 1, got {S.FUSED_OUTPUT!r}")
     nseq = s["NSEQ"] if isinstance(s["NSEQ"], int) else 1
     programs = nseq * s["HV"] * _cdiv(s["V"], s["BV_SCAN_FWD"])
-    return (bool(S.FUSED_OUTPUT) and s["BV_SCAN_FWD"] >= S.FUSED_OUTPUT_MIN_BV
+    min_bv = S.FUSED_OUTPUT_MIN_BV if _INTERPRET else max(S.FUSED_OUTPUT_MIN_BV, _FUSED_OUTPUT_DEVICE_MIN_BV)
+    return (bool(S.FUSED_OUTPUT) and s["BV_SCAN_FWD"] >= min_bv
             and programs > S.FUSED_OUTPUT_MIN_PROGRAMS_PER_SM * _sm_count(x["w"].device)
             and x["w"].dtype == torch.bfloat16 and s["BK"] <= 128)
 

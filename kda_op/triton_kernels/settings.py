@@ -560,6 +560,8 @@ OUTPUT_WARPS = 4
 # step, longer, is then on the critical path with nothing beside it. Hence on where the
 # programs outnumber FUSED_OUTPUT_MIN_PROGRAMS_PER_SM an SM (strictly; B8's 256 at V block 64,
 # two CTAs an SM), as well as the V-block floor.
+# On a GPU the V block is at least 64 whatever FUSED_OUTPUT_MIN_BV says
+# (fwd._FUSED_OUTPUT_DEVICE_MIN_BV: at 32 its sm_90 build computes wrong rows).
 FUSED_OUTPUT = 1
 FUSED_OUTPUT_MIN_BV = 64
 FUSED_OUTPUT_MIN_PROGRAMS_PER_SM = 1
@@ -579,6 +581,7 @@ FUSED_OUTPUT_STAGES = 1
 # on the H200 (2026-12-06) its test (test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits,
 # K = 48, V = 40, V blocks of 32) found o's bits changed with it, and its process hit an illegal
 # memory access in the case without h0 that keeps nothing (which of the two forms, not known).
+# That was the V blocks of 32 (fwd._FUSED_OUTPUT_DEVICE_MIN_BV), wrong either way.
 FUSED_OUTPUT_GLAST_AHEAD = 0
 # The whole forward in one launch (one_pass_fwd.py; 1): one program per (V block, sequence *
 # value head) walks its chunks and forms gam, the A's, Tm, U', the output and the state on
