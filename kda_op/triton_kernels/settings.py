@@ -581,8 +581,12 @@ FUSED_OUTPUT_STAGES = 1
 # on the H200 (2026-12-06) its test (test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits,
 # K = 48, V = 40, V blocks of 32) found o's bits changed with it, and its process hit an illegal
 # memory access in the case without h0 that keeps nothing (which of the two forms, not known).
-# That was the V blocks of 32 (fwd._FUSED_OUTPUT_DEVICE_MIN_BV), wrong either way.
-FUSED_OUTPUT_GLAST_AHEAD = 0
+# That was the V blocks of 32 (fwd._FUSED_OUTPUT_DEVICE_MIN_BV), wrong either way. On again
+# (2026-12-06, H100): in V blocks of 64, profiling/fused_scan_diff.py's bv64 grid (K 32 to 128,
+# V 40 to 256, partial last chunks, with and without h0) gave the bits of the load where it
+# is used and of scan-then-output, the same from run to run; B8-T8192-H16 forward 2.783 ->
+# 2.747 ms (the fused scan 0.760 -> 0.724), step 12.661 -> 12.634 (ours alone, two rounds).
+FUSED_OUTPUT_GLAST_AHEAD = 1
 # The whole forward in one launch (one_pass_fwd.py; 1): one program per (V block, sequence *
 # value head) walks its chunks and forms gam, the A's, Tm, U', the output and the state on
 # chip, reading q, k, v, g, beta and writing o (and the chunk states where kept), instead of
