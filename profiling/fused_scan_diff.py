@@ -20,7 +20,7 @@ import itertools
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -99,9 +99,10 @@ def main() -> int:
             return f"case {i:2d} {CASES[i]}: FAILED rc={p.returncode}: " + " | ".join(last)[-400:]
         return p.stdout.strip()
 
+    # printed as each case ends (a time limit loses only the unfinished ones)
     with ThreadPoolExecutor(args.jobs) as pool:
-        for line in pool.map(sub, range(len(CASES))):
-            print(line, flush=True)
+        for done in as_completed([pool.submit(sub, i) for i in range(len(CASES))]):
+            print(done.result(), flush=True)
     return 0
 
 
