@@ -10,7 +10,7 @@ scan's V block (32 or 64, through BV_SCAN_BWD_MIN) and the load ahead off and on
 a process of its own, and prints for each the grads' error to the fp64 reference, whether any
 is not finite, and the largest difference between two runs of the same case.
 
-    python profiling/bwd_scan_diff.py [--jobs 6] [--one I]
+    [BWD_SCAN_T="9 40 172 300"] python profiling/bwd_scan_diff.py [--jobs 6] [--one I]
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 # T, the backward scan's V block floor, the load ahead
-CASES = list(itertools.product((9, 40, 172, 300), (32, 64), (0, 1)))
+LENGTHS = tuple(int(t) for t in os.environ.get("BWD_SCAN_T", "9 40 172 300").split())
+CASES = list(itertools.product(LENGTHS, (32, 64), (0, 1)))
 SHAPE = dict(B=3, H=2, G=2, K=128, V=128)  # test_cuda.py's short-sequence case
 
 
