@@ -552,6 +552,31 @@ def test_triton_steep_work_lists_give_the_bits_of_the_full_grids(packed, row_pro
         kda_fwd_triton(*args, True, cu_seqlens=cu_d, output_final_state=not packed)
 
 
+def test_backward_scan_loads_ahead_only_where_a_gpu_gave_them_right(monkeypatch):
+    """settings.SCAN_BWD_GLAST_AHEAD on a GPU (bwd._INTERPRET off): not in V blocks of 32 where
+    a sequence may be one chunk (fixed length with T <= 64, or packed), where an H100 gave dh0
+    with NaN; taken in V blocks of 64 and where every sequence has two chunks or more; taken
+    everywhere by the interpreter; off where the setting is; refused if not 0 or 1."""
+    from kda_op.triton_kernels import bwd, settings
+
+    monkeypatch.setattr(settings, "SCAN_BWD_GLAST_AHEAD", 1)
+    monkeypatch.setattr(bwd, "_INTERPRET", False)
+    cases = [  # (V block, packed, T) -> taken
+        ((32, False, 9), False), ((32, False, 64), False), ((32, False, 65), True), ((32, True, 4096), False),
+        ((64, False, 9), True), ((64, True, 4096), True), ((16, False, 8192), True),
+    ]
+    for (bv, packed, T), taken in cases:
+        s = {"BV_SCAN_BWD": bv, "IS_VARLEN": packed}
+        assert bwd._bwd_scan_loads_glast_ahead(s, T) == taken, (bv, packed, T)
+    monkeypatch.setattr(bwd, "_INTERPRET", True)
+    assert bwd._bwd_scan_loads_glast_ahead({"BV_SCAN_BWD": 32, "IS_VARLEN": True}, 9)
+    monkeypatch.setattr(settings, "SCAN_BWD_GLAST_AHEAD", 0)
+    assert not bwd._bwd_scan_loads_glast_ahead({"BV_SCAN_BWD": 64, "IS_VARLEN": False}, 8192)
+    monkeypatch.setattr(settings, "SCAN_BWD_GLAST_AHEAD", 2)
+    with pytest.raises(ValueError, match="SCAN_BWD_GLAST_AHEAD"):
+        bwd._bwd_scan_loads_glast_ahead({"BV_SCAN_BWD": 64, "IS_VARLEN": False}, 8192)
+
+
 @pytest.mark.parametrize("packed,dtype", [(False, torch.float32), (False, torch.bfloat16), (True, torch.float32)])
 def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, monkeypatch):
     """settings.SCAN_GLAST_AHEAD and SCAN_BWD_GLAST_AHEAD (the forward and the backward scan

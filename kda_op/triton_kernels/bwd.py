@@ -29,6 +29,21 @@ from .settings import BC, BT, MAX_SPLIT
 from .state_bwd import kda_state_bwd_fused_kernel, kda_state_bwd_kernel, kda_state_bwd_prep_kernel
 
 
+def _bwd_scan_loads_glast_ahead(s: dict, T: int) -> bool:
+    """Whether the fused backward scan loads gam's row a chunk ahead (settings.SCAN_BWD_GLAST_AHEAD):
+    on a GPU only in V blocks of 64 or more, or where every sequence has two chunks or more
+    (fixed-length, T > BT). On an H100 (Triton 3.6, 2026-12-06, profiling/bwd_scan_diff.py,
+    bf16, K = V = 128, h0 and dht) the load ahead gave dh0 with NaN in 41-45 columns at T = 9
+    and 40 (one chunk) in V blocks of 32, and the fp64 reference's error (1.6-3.2e-3, the same
+    as without it) at T = 65 to 300 in V blocks of 32 and at every T in blocks of 64. Packed
+    sequences may hold one-chunk ones: not in V blocks of 32. The interpreter takes it everywhere."""
+    if S.SCAN_BWD_GLAST_AHEAD not in (0, 1):
+        raise ValueError(f"settings.SCAN_BWD_GLAST_AHEAD: expected 0 or 1, got {S.SCAN_BWD_GLAST_AHEAD!r}")
+    if not S.SCAN_BWD_GLAST_AHEAD:
+        return False
+    return _INTERPRET or s["BV_SCAN_BWD"] >= 64 or (not s["IS_VARLEN"] and T > BT)
+
+
 def _direct_dq_dk(G: int) -> bool:
     """Whether the backward through the A's writes the op's dq and dk itself
     (settings.DIRECT_DQ_DK: one value head a key head, nothing for gva_reduce to sum)."""
@@ -139,7 +154,7 @@ def kda_bwd_triton(
                 BF16_DOTS=(s["SCAN_BWD_BF16_DOTS"] and do.dtype == torch.bfloat16 and aqk.dtype == torch.bfloat16
                            and dchunk_states.dtype == torch.bfloat16),
                 IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None, INTERPRET=_INTERPRET,
-                COMPACT=compact, GLAST_AHEAD=bool(S.SCAN_BWD_GLAST_AHEAD),
+                COMPACT=compact, GLAST_AHEAD=_bwd_scan_loads_glast_ahead(s, T),
                 AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and _cp_async_wgmma_fenced(),
                 num_warps=s["SCAN_BWD_WARPS"], num_stages=s["SCAN_BWD_STAGES"],
             )

@@ -449,7 +449,11 @@ SCAN_AQK_ROW_MASK = 1
 # loaded where it is used. The interpreter gives the same bits either way and the kernel's
 # TTGIR has the same fences and waits either way: the cause is not found. The gain it gave
 # the backward scan (thirtieth session, with SCAN_AQK_ROW_MASK) is given up until it is.
-SCAN_BWD_GLAST_AHEAD = 0
+# On again (2026-12-06) where profiling/bwd_scan_diff.py found it right on an H100: the NaN came
+# only with one-chunk sequences in V blocks of 32 (T = 9 and 40; T = 65 to 300 right, and every
+# T in V blocks of 64), so the host takes it only outside that (bwd._bwd_scan_loads_glast_ahead).
+# Worth 0.22 ms of B1-T32768-H16's step on an H100 (thirty-third session, same process).
+SCAN_BWD_GLAST_AHEAD = 1
 # The forward scan alone (None: as above): its warps, stages (bf16 operands and
 # BK <= 128 only; see _sizes) and V block (before the doubling to one wave); and
 # how many of its programs one SM runs at once, for the V block's choice (a wave =
