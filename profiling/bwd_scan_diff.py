@@ -15,17 +15,15 @@ is not finite, and the largest difference between two runs of the same case.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "profiling"))
 
 NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 # T, the backward scan's V block floor, the load ahead
@@ -75,29 +73,7 @@ def run_one(i: int) -> str:
             + f"; run-to-run {rep:.1e}" + ("; " + "; ".join(bad) if bad else ""))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--one", type=int, default=None, help="run case ONE alone in this process")
-    parser.add_argument("--jobs", type=int, default=6, help="cases run side by side")
-    args = parser.parse_args()
-    if args.one is not None:
-        print(run_one(args.one), flush=True)
-        return 0
-
-    def sub(i):
-        env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-        p = subprocess.run([sys.executable, __file__, "--one", str(i)], capture_output=True, text=True, env=env)
-        if p.returncode != 0:
-            last = [line for line in p.stderr.strip().splitlines() if line.strip()][-3:]
-            return f"case {i:2d} {CASES[i]}: FAILED rc={p.returncode}: " + " | ".join(last)[-400:]
-        return p.stdout.strip()
-
-    # printed as each case ends (a time limit loses only the unfinished ones)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for done in as_completed([pool.submit(sub, i) for i in range(len(CASES))]):
-            print(done.result(), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from _per_process import main
+
+    sys.exit(main(__doc__, CASES, run_one, __file__, jobs=6))

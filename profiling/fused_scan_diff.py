@@ -15,17 +15,15 @@ differs. ``--one I`` runs case I alone (for compute-sanitizer).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import os
-import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "profiling"))
 
 LENGTHS = [172, 192]  # 3 chunks less 20 tokens; 3 whole chunks
 # (K, V, V block) of each grid. "bv32": the tests' sizes and V blocks of 32 (2026-12-06, H200:
@@ -82,29 +80,7 @@ def run_one(i: int) -> str:
             f"rows {span(rows)} cols {span(cols)}")
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--one", type=int, default=None, help="run case ONE alone in this process")
-    parser.add_argument("--jobs", type=int, default=8, help="cases run side by side")
-    args = parser.parse_args()
-    if args.one is not None:
-        print(run_one(args.one), flush=True)
-        return 0
-
-    def sub(i):
-        env = dict(os.environ, CUDA_LAUNCH_BLOCKING="1")
-        p = subprocess.run([sys.executable, __file__, "--one", str(i)], capture_output=True, text=True, env=env)
-        if p.returncode != 0:
-            last = [line for line in p.stderr.strip().splitlines() if line.strip()][-3:]
-            return f"case {i:2d} {CASES[i]}: FAILED rc={p.returncode}: " + " | ".join(last)[-400:]
-        return p.stdout.strip()
-
-    # printed as each case ends (a time limit loses only the unfinished ones)
-    with ThreadPoolExecutor(args.jobs) as pool:
-        for done in as_completed([pool.submit(sub, i) for i in range(len(CASES))]):
-            print(done.result(), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    from _per_process import main
+
+    sys.exit(main(__doc__, CASES, run_one, __file__, jobs=8))
