@@ -20,6 +20,8 @@
 #                                      # tests under KDA_TEST_SETTINGS
 #   bash benchmarks/run_gpu.sh xdist-tests    # test_cuda.py, test_triton_kernels.py, test_export_op.py,
 #                                      # test_pool.py with pytest-xdist (FILES, WORKERS), -v
+#   bash benchmarks/run_gpu.sh scan-diffs     # profiling/fused_scan_diff.py (both grids) and
+#                                      # bwd_scan_diff.py: the scans' variants case by case
 #   bash benchmarks/run_gpu.sh kernel-tests   # test_cuda.py and test_triton_kernels.py alone
 #   bash benchmarks/run_gpu.sh cuda-bisect    # test_cuda.py's cases that failed on 2026-12-05, one
 #                                      # process each under three settings, then the file whole
@@ -214,6 +216,18 @@ xdist-tests)
     step "the fused scan's repeat test, CUDA_LAUNCH_BLOCKING=1"
     CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 -m pytest -v -p no:benchmark --tb=short \
         tests/test_triton_kernels.py -k "repeats_its_bits" >> "$LOG" 2>&1
+    ;;
+scan-diffs)
+    # One call (2026-12-06, H100, warm: the bv64 grid's 64 cases in about 200 s beside the tests;
+    # bwd_scan_diff's 16 in 72 s from a cold start): where the fused forward scan parts from
+    # scan-then-output (V blocks of 32 and 64, the load ahead), and the backward scan's load ahead
+    # against the fp64 reference by sequence length and V block.
+    for grid in bv64 bv32; do
+        step "fused_scan_diff.py, grid $grid"
+        FUSED_SCAN_GRID=$grid timeout "${DIFF_LIMIT:-200}" python3 profiling/fused_scan_diff.py --jobs 8 >> "$LOG" 2>&1
+    done
+    step "bwd_scan_diff.py (BWD_SCAN_T=${BWD_SCAN_T:-9 40 172 300})"
+    timeout "${DIFF_LIMIT:-200}" python3 profiling/bwd_scan_diff.py --jobs 8 >> "$LOG" 2>&1
     ;;
 groups-a)
     # One call (474 s on 2026-12-04): test_cuda.py but its fp32 cases, test_model.py in three
@@ -504,7 +518,7 @@ cuda-bisect)
     collect_tests
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|groups-a|groups-b|bench|flags|serve|flags-verify|flags-check|variant-verify|settings-time|settings-confirm|cp|candidates|breakdown|explore|verify|sweep|cuda-bisect" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|scan-diffs|xdist-tests|groups-a|groups-b|bench|flags|serve|flags-verify|flags-check|variant-verify|settings-time|settings-confirm|cp|candidates|breakdown|explore|verify|sweep|cuda-bisect" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"
