@@ -226,6 +226,8 @@ scan-diffs)
         step "fused_scan_diff.py, grid $grid"
         FUSED_SCAN_GRID=$grid timeout "${DIFF_LIMIT:-200}" python3 profiling/fused_scan_diff.py --jobs 8 >> "$LOG" 2>&1
     done
+    step "mma_chain_repro.py (the fused scan's pattern alone: a wgmma's result as the next one's B operand)"
+    timeout 120 python3 profiling/mma_chain_repro.py >> "$LOG" 2>&1
     step "bwd_scan_diff.py (BWD_SCAN_T=${BWD_SCAN_T:-9 40 172 300})"
     timeout "${DIFF_LIMIT:-200}" python3 profiling/bwd_scan_diff.py --jobs 8 >> "$LOG" 2>&1
     ;;
