@@ -126,3 +126,32 @@ def test_host_time_runs_the_cuda_host_code_with_stubbed_launches():
         lines
     for line in lines:
         assert float(line.split(": ")[1].split(" ms")[0]) > 0
+
+
+def test_mma_chain_repro_finds_nothing_wrong_where_the_product_is_right(monkeypatch):
+    """profiling/mma_chain_repro.py (a Triton fault's minimal kernel, for the GPU): under the
+    interpreter, whose products are right, it reports no wrong row and two equal runs at each
+    N, so a wrong row it reports on a GPU is the compiled kernel's; and a product it is
+    handed wrong (the kernel's output overwritten in part) shows as those rows."""
+    import os
+
+    pytest.importorskip("triton")
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the harness check runs under the interpreter")
+    import mma_chain_repro
+
+    for N in (16, 32):
+        line = mma_chain_repro.check(N, 4, 2)
+        assert "wrong rows -," in line and "runs agree True" in line, line
+    kernel = mma_chain_repro.mma_chain_kernel
+
+    class RowsOverwritten:  # the kernel as launched, then rows 16.. of every chunk set to 1e3
+        def __getitem__(self, grid):
+            def launch(a, b, c, out, *args, **kw):
+                kernel[grid](a, b, c, out, *args, **kw)
+                out[:, 16:] = 1e3
+            return launch
+
+    monkeypatch.setattr(mma_chain_repro, "mma_chain_kernel", RowsOverwritten())
+    line = mma_chain_repro.check(32, 4, 2)
+    assert "wrong rows 16..63 (48)" in line, line
