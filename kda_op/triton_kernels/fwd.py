@@ -369,9 +369,10 @@ def _one_pass_serves(q: Tensor, s: dict, gate: Optional[tuple]) -> bool:
 # sm_90 build (Triton 3.6; H100 and H200, 2026-12-06, profiling/fused_scan_diff.py) gives
 # wrong outputs and states, rows 16.. of each chunk on (the rows of warps 1-3), differing from
 # run to run, at every size tried (K 48 to 128, V 40 to 128), and an illegal memory access at
-# K = V = 128; the same kernel in V blocks of 64 gave the scan-then-output's bits. The defaults fuse only at
-# 64 (FUSED_OUTPUT_MIN_BV); this keeps a lowered setting from reaching the broken build. The
-# interpreter runs the V blocks of 32 (its tests' small sizes).
+# K = V = 128; the same kernel in V blocks of 64 gave the scan-then-output's bits (K 32 to 128,
+# V 40 to 256). The defaults fuse only at 64 (FUSED_OUTPUT_MIN_BV); this keeps a lowered
+# setting from reaching the broken build. The interpreter runs V blocks of 32 (its tests'
+# small sizes). profiling/mma_chain_repro.py holds the pattern alone (benchmarks/NOTES.md).
 _FUSED_OUTPUT_DEVICE_MIN_BV = 64
 
 
