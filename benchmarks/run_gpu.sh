@@ -222,12 +222,12 @@ scan-diffs)
     # bwd_scan_diff's 16 in 72 s from a cold start): where the fused forward scan parts from
     # scan-then-output (V blocks of 32 and 64, the load ahead), and the backward scan's load ahead
     # against the fp64 reference by sequence length and V block.
+    step "mma_chain_repro.py (the fused scan's pattern alone: a wgmma's result as the next one's B operand)"
+    timeout 120 python3 profiling/mma_chain_repro.py >> "$LOG" 2>&1
     for grid in bv64 bv32; do
         step "fused_scan_diff.py, grid $grid"
         FUSED_SCAN_GRID=$grid timeout "${DIFF_LIMIT:-200}" python3 profiling/fused_scan_diff.py --jobs 8 >> "$LOG" 2>&1
     done
-    step "mma_chain_repro.py (the fused scan's pattern alone: a wgmma's result as the next one's B operand)"
-    timeout 120 python3 profiling/mma_chain_repro.py >> "$LOG" 2>&1
     step "bwd_scan_diff.py (BWD_SCAN_T=${BWD_SCAN_T:-9 40 172 300})"
     timeout "${DIFF_LIMIT:-200}" python3 profiling/bwd_scan_diff.py --jobs 8 >> "$LOG" 2>&1
     ;;
