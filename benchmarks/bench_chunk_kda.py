@@ -293,12 +293,12 @@ def setting_value(default, value: str):
 
 def setting_modules() -> dict:
     """Every upper-case setting the benchmarks may change, by name: settings.py's, and
-    kda_op._contract's BF16_RESIDUALS (U and U' in bf16), BF16_CHUNK_STATES, BF16_AQK and BF16_AKK."""
+    kda_op._contract's storage dtypes (STORAGE_SETTINGS: BF16_RESIDUALS, U and U' in bf16, ...)."""
     from kda_op import _contract
     from kda_op.triton_kernels import settings
 
     owners = {n: settings for n in dir(settings) if n.isupper()}
-    owners["BF16_RESIDUALS"] = owners["BF16_CHUNK_STATES"] = owners["BF16_AQK"] = owners["BF16_AKK"] = _contract
+    owners.update({n: _contract for n in _contract.STORAGE_SETTINGS})
     return owners
 
 

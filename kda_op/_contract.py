@@ -163,6 +163,11 @@ def aqk_dtype(input_dtype: torch.dtype) -> torch.dtype:
 BF16_AKK = False
 
 
+# The storage-dtype switches above, by name: what the benchmarks' --variants and the tests'
+# KDA_TEST_SETTINGS may change here besides settings.py.
+STORAGE_SETTINGS = ("BF16_RESIDUALS", "BF16_CHUNK_STATES", "BF16_AQK", "BF16_AKK")
+
+
 def akk_dtype(input_dtype: torch.dtype) -> torch.dtype:
     """dtype of A_kk in the CUDA forward: fp32, or bf16 for bf16 inputs under
     ``BF16_AKK``."""

@@ -17,19 +17,16 @@ from __future__ import annotations
 
 import itertools
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _dot(x, y, INTERPRET: tl.constexpr):
-    # the interpreter multiplies bf16 operands' bit patterns (triton-lang/triton#11584): fp32 there
-    if INTERPRET:
-        return tl.dot(x.to(tl.float32), y.to(tl.float32), input_precision="ieee")
-    else:
-        return tl.dot(x, y)
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# the kernels' bf16 dot: tl.dot on bf16 operands on the GPU; the same rounding in fp32 under
+# the interpreter, which multiplies bf16 bit patterns (triton-lang/triton#11584)
+from kda_op.triton_kernels._dot import dot_bf16  # noqa: E402
 
 
 @triton.jit
@@ -43,9 +40,9 @@ def mma_chain_kernel(a, b, c, out, LOOPS, M: tl.constexpr, K: tl.constexpr, N: t
     for i in range(LOOPS):
         b_a = tl.load(a + i * M * K + o_m[:, None] * K + o_k[None, :])
         b_b = tl.load(b + i * K * N + o_k[:, None] * N + o_n[None, :])
-        b_x = _dot(b_a, b_b, INTERPRET)
+        b_x = dot_bf16(b_a, b_b, INTERPRET)
         b_c = tl.where(causal, tl.load(c + i * M * M + o_m[:, None] * M + o_m[None, :]), 0.0)
-        b_y = _dot(b_c.to(tl.bfloat16), b_x.to(tl.bfloat16), INTERPRET)
+        b_y = dot_bf16(b_c, b_x, INTERPRET)
         tl.store(out + i * M * N + o_m[:, None] * N + o_n[None, :], b_y)
 
 

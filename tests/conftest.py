@@ -36,14 +36,12 @@ def _test_settings() -> dict:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or not name.isupper() or _setting_owner(name) is None:
+            from kda_op._contract import STORAGE_SETTINGS
+
             raise pytest.UsageError(f"KDA_TEST_SETTINGS: {item!r} is not NAME=VALUE of a setting in settings.py "
-                                    f"or of kda_op._contract's {', '.join(_CONTRACT_SETTINGS)}")
+                                    f"or of kda_op._contract's {', '.join(STORAGE_SETTINGS)}")
         changes[name] = ast.literal_eval(value.strip())
     return changes
-
-
-# the intermediates' storage dtypes, which the fake kernels' layout follows too
-_CONTRACT_SETTINGS = ("BF16_RESIDUALS", "BF16_CHUNK_STATES", "BF16_AQK", "BF16_AKK")
 
 
 def _setting_owner(name: str):
@@ -51,7 +49,7 @@ def _setting_owner(name: str):
     from kda_op import _contract
     from kda_op.triton_kernels import settings
 
-    if name in _CONTRACT_SETTINGS:
+    if name in _contract.STORAGE_SETTINGS:
         return _contract
     return settings if hasattr(settings, name) else None
 

@@ -692,10 +692,8 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
     FUSED_OUTPUT_MIN_BV, and on fp32 inputs, the scan and the output kernel run as before."""
     from kda_op.triton_kernels import fwd, settings
 
-    monkeypatch.setattr(settings, "BV_SCAN", FUSED_SCAN_BV)  # the scan's V block = the output's
-    monkeypatch.setattr(settings, "BV_OUTPUT", FUSED_SCAN_BV)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", FUSED_SCAN_BV)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)  # at these few programs
+    _fused_scan_at_small_sizes(monkeypatch)  # FUSED_OUTPUT is set below, each way in turn
+    monkeypatch.setattr(settings, "BV_OUTPUT", FUSED_SCAN_BV)  # the scan's V block = the output's
     launches = []
     for name in ("kda_state_output_fwd_kernel", "kda_output_fwd_kernel", "kda_state_fwd_kernel"):
         _on_launch(monkeypatch, fwd, name, lambda kw, name=name: launches.append(name))
