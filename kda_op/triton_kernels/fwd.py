@@ -109,7 +109,16 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
                          qg_first, kr_last, w_first)
         return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
     regs = dict(maxnreg=S.INTRA_A_FWD_MAXNREG) if S.INTRA_A_FWD_MAXNREG else {}
-    gam_kernel = bool(S.INTRA_GAM_KERNEL) or gate is not None
+    # short packed sequences (settings.SHORT_TILE): the chunks of at most SHORT_TILE rows
+    # on smaller tiles, picked per program (SHORT_TILE_LAUNCHES 1) or in launches of
+    # their own that the launches at BT skip (2); they need gam from its own launch
+    short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
+    # gam formed inside intra_a_fwd and kept on chip, Kb handed to intra_wu_fwd instead
+    # (settings.INTRA_A_GAM_ON_CHIP): where nothing is kept and there is no gate to apply
+    on_chip = _gam_on_chip_serves(store_tm, gate, short_tiles)
+    gam_kernel = (bool(S.INTRA_GAM_KERNEL) or gate is not None) and not on_chip
+    kbg = (torch.empty(B, T, HV, K, device=q.device, dtype=_kbg_dtype(q.dtype)) if on_chip
+           else _stand_in(out["w"], traced))
     NKB = _cdiv(K, S.BKG)
     ga = _gate_args(gate, g)
     # gam_fwd's spreads of each chunk (per K block), for intra_a_fwd's choice of path,
@@ -123,10 +132,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             K=K, BT=BT, BKG=S.BKG, GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
             IS_VARLEN=s["IS_VARLEN"], BC=BC, SPREADS=not row_spreads, num_warps=S.GAM_WARPS,
         )
-    # short packed sequences (settings.SHORT_TILE): the chunks of at most SHORT_TILE rows
-    # on smaller tiles, picked per program (SHORT_TILE_LAUNCHES 1) or in launches of
-    # their own that the launches at BT skip (2)
-    tile = S.SHORT_TILE if (S.SHORT_TILE and s["SHORT"] and gam_kernel and not traced) else 0
+    tile = S.SHORT_TILE if (short_tiles and gam_kernel) else 0
     tilings = _tilings(tile)
     a_rows = _a_row_programs_serve(ga, row_spreads)
     if a_rows:
@@ -146,6 +152,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
             BKR=min(128, _pow2(K)), QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(),
             MODE_LOOPS=bool(S.INTRA_A_MODE_LOOPS), **tiling,
+            beta=beta, kbg=kbg, GAM_DOTS=on_chip and bool(S.INTRA_A_GAM_DOTS), STORE_GAM=not on_chip, KBG=on_chip,
             num_warps=S.INTRA_A_FWD_WARPS, num_stages=S.INTRA_A_FWD_STAGES, **regs,
         )
     if not _no_steep_launch(ga):
@@ -170,10 +177,27 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-            W_FIRST=w_first, FAST_EXP=_fast_exp(), **tiling, num_warps=wu_warps,
-            **(dict(maxnreg=wu_cap) if wu_cap else {}),
+            W_FIRST=w_first, FAST_EXP=_fast_exp(), **tiling, steep=_stand_in(steep, traced), ONLY_STEEP=False,
+            kbg=kbg, KBG_IN=on_chip, num_warps=wu_warps, **(dict(maxnreg=wu_cap) if wu_cap else {}),
         )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
+
+
+def _gam_on_chip_serves(store_tm: bool, gate: Optional[tuple], short_tiles: bool) -> bool:
+    """Whether intra_a_fwd forms gam itself and hands Kb = diag(beta) K exp(gam) to
+    intra_wu_fwd (settings.INTRA_A_GAM_ON_CHIP), so that gam never goes through memory but
+    each chunk's last row (the scans' decay) and a steep chunk's rows (the steep launch's):
+    where nothing is kept (the backward reads gam), without fla's in-kernel gate (gam_fwd.py
+    applies it), and not on short packed sequences' tiles."""
+    if S.INTRA_A_GAM_ON_CHIP not in (0, 1):
+        raise ValueError(f"settings.INTRA_A_GAM_ON_CHIP: expected 0 or 1, got {S.INTRA_A_GAM_ON_CHIP!r}")
+    return bool(S.INTRA_A_GAM_ON_CHIP) and not store_tm and gate is None and not short_tiles
+
+
+def _kbg_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """Kb's dtype (INTRA_A_GAM_ON_CHIP): bf16 for bf16 inputs under settings.KBG_BF16,
+    else fp32 (what W's dot would read)."""
+    return torch.bfloat16 if S.KBG_BF16 and input_dtype == torch.bfloat16 else torch.float32
 
 
 def _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s: dict, common: dict, traced: bool) -> None:
@@ -248,7 +272,7 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
         STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS, BF16_DOTS=s["WU_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], W_FIRST=w_first, FAST_EXP=_fast_exp(),
-        steep=steep, ONLY_STEEP=True, num_warps=4,
+        steep=steep, ONLY_STEEP=True, kbg=_stand_in(w, traced), KBG_IN=False, num_warps=4,
     )
 
 

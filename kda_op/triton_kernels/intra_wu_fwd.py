@@ -2,7 +2,8 @@
 
 One program per (chunk, batch * value head). From A_kk and gam (intra_a_fwd.py):
   Tm = (I + diag(beta) A_kk)^-1                (stored when STORE_TM: the backward needs it)
-  W  = Tm diag(beta) (K * exp(gam))            [B, T, HV, K]  (the scans' operand dtype)
+  W  = Tm diag(beta) (K * exp(gam))            [B, T, HV, K]  (the scans' operand dtype; with KBG_IN
+                                               its right-hand side Kb read as intra_a_fwd.py stored it)
   U  = Tm diag(beta) V                         [B, T, HV, V]  (fp32)
 """
 
@@ -30,6 +31,7 @@ def kda_intra_wu_fwd_kernel(
     IS_VARLEN: tl.constexpr = False, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
     PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True, DINV_IN: tl.constexpr = False,
     FAST_EXP: tl.constexpr = False, steep=None, ONLY_STEEP: tl.constexpr = False,
+    kbg=None, KBG_IN: tl.constexpr = False,
 ):
     # FAST_EXP: _math.exp without subnormals.
     # TILE / SKIP_TILED / PICK_TILE: as in intra_a_fwd.py (the chunks of at most TILE
@@ -41,6 +43,8 @@ def kda_intra_wu_fwd_kernel(
     # diag_inv.py (``dinv`` [B, T, HV, BC]) instead of this kernel's forward substitution.
     # BF16_DOTS (bf16 inputs): W and U from Tm and their right-hand sides rounded to
     # bf16 (fp32 accumulation); Tm itself, and what is stored of it, stays fp32.
+    # KBG_IN (settings.INTRA_A_GAM_ON_CHIP): W = Tm Kb from ``kbg``, Kb = diag(beta) K exp(gam)
+    # as intra_a_fwd.py stored it (its KBG), so neither K nor gam is read here.
     # ONLY_STEEP (after intra_fused_fwd.py, settings.INTRA_FUSED_FWD): only the chunks
     # whose steep flag (``steep`` [B * NC or NCB, HV]) is 2, which that kernel left to
     # the steep launch and this one; the others return after reading their flag.
@@ -67,18 +71,23 @@ def kda_intra_wu_fwd_kernel(
     akk += (bos * HV + i_hv) * BT
     tm += (bos * HV + i_hv) * BT
     dinv += (bos * HV + i_hv) * BC
+    if KBG_IN:
+        kbg += (bos * HV + i_hv) * K
     store_w = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | W_FIRST
     if PICK_TILE > 0:
         if T <= PICK_TILE:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, PICK_TILE,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP,
+                      kbg, KBG_IN)
         else:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, BT,
-                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP)
+                      STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP,
+                      kbg, KBG_IN)
     else:
         R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
         _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, R,
-                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP)
+                  STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP,
+                      kbg, KBG_IN)
 
 
 @triton.jit
@@ -87,6 +96,7 @@ def _wu_chunk(
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     R: tl.constexpr, STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
     BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr, dinv, DINV_IN: tl.constexpr, FAST_EXP: tl.constexpr,
+    kbg=None, KBG_IN: tl.constexpr = False,
 ):
     """One chunk's Tm, W and U on [R, R] tiles (R = BT, or a short chunk's tile);
     the pointers are at the chunk's first row and this head, T its rows; W stored
@@ -148,12 +158,17 @@ def _wu_chunk(
     for i_k in range(tl.cdiv(K, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < K
-        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
-                      mask=(m_t & m_sw)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
-        # gam is reloaded rather than kept live through the inverse (register pressure).
-        b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :],
-                        mask=m_sw[:, None] & m_k[None, :], other=0.0)
-        b_w = dot(b_tm, b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), BF16_DOTS, DOT_PREC, INTERPRET)
+        if KBG_IN:
+            b_kb = tl.load(kbg + (o_t[:, None]) * (HV * K) + o_k[None, :],
+                           mask=(m_t & m_sw)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+        else:
+            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_k[None, :],
+                          mask=(m_t & m_sw)[:, None] & m_k[None, :], other=0.0).to(tl.float32)
+            # gam is reloaded rather than kept live through the inverse (register pressure).
+            b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_k[None, :],
+                            mask=m_sw[:, None] & m_k[None, :], other=0.0)
+            b_kb = b_beta[:, None] * b_k * exp(b_gam, FAST_EXP)
+        b_w = dot(b_tm, b_kb, BF16_DOTS, DOT_PREC, INTERPRET)
         tl.store(w + (o_t[:, None]) * (HV * K) + o_k[None, :], as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty),
                  mask=(m_t & m_sw)[:, None] & m_k[None, :])
     for i_v in range(tl.cdiv(V, BV)):
