@@ -87,7 +87,8 @@ _SCRIPT = textwrap.dedent(
         gm, _ = aot_export_module(ep.module(), sym_inputs, trace_joint=False)
     launches = [n for n in gm.graph.nodes if "triton_kernel_wrapper" in str(n.target)]
     names = [kernel_side_table.get_kernel(n.kwargs["kernel_idx"]).fn.__name__ for n in launches]
-    gam_launch = ["kda_gam_fwd_kernel"] if settings.INTRA_GAM_KERNEL else []
+    # the export op's forward keeps nothing: gam stays on chip (settings.INTRA_A_GAM_ON_CHIP)
+    gam_launch = ["kda_gam_fwd_kernel"] if settings.INTRA_GAM_KERNEL and not settings.INTRA_A_GAM_ON_CHIP else []
     inverses = ["kda_diag_inv_kernel"] if settings.INTRA_DIAG_INV_KERNEL else []
     assert names == gam_launch + ["kda_intra_a_fwd_kernel", "kda_intra_a_fwd_steep_kernel", *inverses,
                                   "kda_intra_wu_fwd_kernel", "kda_state_fwd_kernel", "kda_output_fwd_kernel"], names

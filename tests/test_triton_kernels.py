@@ -106,13 +106,24 @@ def _check_fwd_bwd(args, h0, with_dht, seed):
 
     routed = T <= settings.RECURRENT_MAX_T  # the plain forward took the recurrent kernel
     # or the one-launch intra-chunk stage (settings.INTRA_FUSED_FWD 1: Tm formed another way),
-    # which a forward that keeps its intermediates then does not take
-    fused = settings.INTRA_FUSED_FWD == 1
-    for name, got, want in zip(("o", "final_state", "chunk_states"), kept_outputs, (o, ht, cs)):
+    # or gam on chip (settings.INTRA_A_GAM_ON_CHIP: gam summed in intra_a_fwd, W from Kb, steep
+    # chunks all through the steep launch), which a forward that keeps its intermediates then
+    # does not take
+    fused = settings.INTRA_FUSED_FWD == 1 or bool(settings.INTRA_A_GAM_ON_CHIP)
+    through_memory = (o, ht, cs)
+    if settings.INTRA_FUSED_FWD != 1 and settings.INTRA_A_GAM_ON_CHIP and not routed:
+        # the bits of the kept forward are still those of the plain one with gam through memory
+        settings.INTRA_A_GAM_ON_CHIP = 0
+        try:
+            through_memory = kda_fwd_triton(*args, None, h0)[:3]
+        finally:
+            settings.INTRA_A_GAM_ON_CHIP = 1
+    for name, got, want, want_bits in zip(("o", "final_state", "chunk_states"), kept_outputs, (o, ht, cs),
+                                          through_memory):
         if routed or fused:
             _rel_close(got, want, name)
-        else:
-            assert torch.equal(got, want), name
+        if not routed and settings.INTRA_FUSED_FWD != 1:
+            assert torch.equal(got, want_bits), name
     # The backward from the kept intermediates: the same intra-chunk quantities
     # bitwise, but U' = U - W S0 from the forward's scan rather than recomputed
     # from the saved S0 (other dot tiling): close, and close to the reference.
@@ -212,6 +223,9 @@ def test_triton_every_path_of_the_intra_chunk_kernels(T_cut, block_refs, common_
 
     args = [inputs[n] for n in NAMES]
     monkeypatch.setattr(settings, "INTRA_FUSED_FWD", 0)  # the four launches' flags (test_intra_fused_fwd.py: the fused stage's)
+    # with gam through memory (gam_fwd's spreads; on chip no block references:
+    # test_triton_gam_on_chip_matches_gam_through_memory)
+    monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", 0)
     flags = _intra_fwd(*args, K**-0.5, _sizes(args[0], args[2]), store_tm=False)["steep"]
     assert flags[0, :, 0].tolist() == [0, 1 if common_refs else 2, 2]
 
@@ -710,12 +724,22 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
         assert torch.equal(_bytes(unfused), _bytes(scan_output)), name
     # keep_chunk_states=False (a forward without grad): the same o and final states, no
     # chunk states, stored nowhere (fused) or in a buffer of the call's own
+    no_grad = []
     for fused in (0, 1):
         monkeypatch.setattr(settings, "FUSED_OUTPUT", fused)
         launches.clear()
         o, ht, cs, _ = kda_fwd_triton(*args, False, cu_seqlens=cu_d, keep_chunk_states=False)
         assert launches == (fused_launch if fused else unfused_launches), launches
-        assert cs.shape == (0,) and torch.equal(o, results[0][0]) and torch.equal(ht, results[0][1])
+        assert cs.shape == (0,)
+        no_grad.append((o, ht))
+    assert torch.equal(no_grad[0][0], no_grad[1][0]) and torch.equal(no_grad[0][1], no_grad[1][1])
+    for got, want in zip(no_grad[1], results[0][:2]):
+        if keep and settings.INTRA_A_GAM_ON_CHIP:
+            # a forward that keeps nothing keeps gam on chip and rounds Kb to bf16 (2^-9
+            # relative) before W's dot, where the kept one reads gam and K: close
+            assert (got.float() - want.float()).norm() <= 2e-3 * want.float().norm()
+        else:
+            assert torch.equal(got, want)
     # against the fp32 reference on the same bf16 inputs: W, Kr, Qg, A_qk, U' and o are
     # rounded to bf16 (2^-9 relative each), the scan's dots take bf16 operands
     want = _reference_o(*(t.float() for t in (q, k, v, g, beta)), h0, cu)
@@ -1013,6 +1037,7 @@ def test_triton_gam_spreads_and_the_paths_they_pick(T_cut, monkeypatch):
         assert torch.equal(got[..., kb, 1], block_spread), kb
     inputs["g"] = g
     args = [inputs[n] for n in NAMES]
+    monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", 0)  # gam_fwd's spreads (on chip: none)
     x = _intra_fwd(*args, K ** -0.5, _sizes(args[0], args[2]), store_tm=False)
     assert x["steep"][0, :, 0].tolist() == [0, 1, 2]
 
@@ -1127,6 +1152,122 @@ def test_triton_gam_kernel_changes_no_result(dtype, monkeypatch):
             # later stage reads: 8.3e-4 on the final state on the H200; a wrong gam
             # row or column would move the results by O(1).
             assert err < (1e-4 if dtype == torch.float32 else 4e-3), (i, err)
+
+
+def _rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T_cut", [0, 19])  # 19: the steep chunk is also the partial last one
+def test_triton_gam_on_chip_matches_gam_through_memory(dtype, T_cut, monkeypatch):
+    """settings.INTRA_A_GAM_ON_CHIP (a forward that keeps nothing): intra_a_fwd forms gam,
+    stores of it each chunk's last row and a steep chunk's rows, and hands Kb = diag(beta) K
+    exp(gam) to intra_wu_fwd; gam_fwd does not run. On three chunks (the split path, one
+    whose blocks would allow block references, one steep past them): the flags (0, 2, 2:
+    without gam_fwd's spreads both steep chunks take the steep launch), those rows of gam
+    and Kb against torch's, and o, the final and the chunk states as with gam through
+    memory (fp32: to rounding) and against the fp64 reference (bf16: no further from it,
+    though Kb is rounded to bf16 before W's dot)."""
+    from kda_op.triton_kernels import fwd, settings
+    from kda_op.triton_kernels._host import _sizes
+
+    _four_launch_intra(monkeypatch)
+    inputs = _three_path_inputs(T_cut, 48, seed=71 + T_cut)  # K = 48: a partial K slice
+    args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+    h0 = inputs["initial_state"]
+    T = args[0].shape[1]
+    launched, kbg = [], []
+    for name in ("kda_gam_fwd_kernel", "kda_intra_a_fwd_kernel", "kda_intra_wu_fwd_kernel"):
+        _on_launch(monkeypatch, fwd, name, lambda kw, name=name: launched.append(
+            (name, kw.get("KBG", kw.get("KBG_IN")))))
+    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel", lambda kw: kbg.append(kw["kbg"]))
+
+    monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", 1)
+    x = fwd._intra_fwd(*args, 48 ** -0.5, _sizes(args[0], args[2]), store_tm=False)
+    assert launched == [("kda_intra_a_fwd_kernel", True), ("kda_intra_wu_fwd_kernel", True)], launched
+    assert x["steep"][0, :, 0].tolist() == [0, 2, 2]
+    gam = torch.cat([c.cumsum(1) for c in inputs["g"].split(CHUNK_SIZE, dim=1)], dim=1).cpu()
+    got = x["gam"].cpu()
+    last = [min(c + CHUNK_SIZE, T) - 1 for c in range(0, T, CHUNK_SIZE)]
+    torch.testing.assert_close(got[:, last], gam[:, last], rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(got[:, CHUNK_SIZE:], gam[:, CHUNK_SIZE:], rtol=1e-6, atol=1e-5)  # the steep chunks
+    k = args[1].float().cpu().repeat_interleave(2, dim=2)  # G = 2 value heads a key head
+    kb = args[4].float().cpu()[..., None] * k * gam.exp()
+    # bf16 inputs: Kb in bf16 (half an ulp, 2^-9 relative); fp32: exp's rounding
+    tol = dict(rtol=4e-3, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(kbg[0].float().cpu(), kb, **tol)
+
+    ref = kda_forward_reference(*[a.double() for a in args], None, h0.double())
+    results = {}
+    for on_chip in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", on_chip)
+        launched.clear()
+        results[on_chip] = kda_fwd_triton(*args, None, h0)[:3]
+        assert ("kda_gam_fwd_kernel", None) in launched if not on_chip else all(n != "kda_gam_fwd_kernel"
+                                                                                for n, _ in launched)
+    for name, a, b, r in zip(("o", "final_state", "chunk_states"), results[1], results[0], ref):
+        if dtype == torch.float32:
+            _rel_close(a, b, name)
+        else:
+            # bf16: the same error to the fp64 reference, to 10% (Kb's rounding; 3.01e-3 and
+            # 3.03e-3 on o under the interpreter when written)
+            assert _rel_err(a, r) <= 1.1 * _rel_err(b, r) + 1e-4, (name, _rel_err(a, r), _rel_err(b, r))
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # the steep chunks' split factors
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+@pytest.mark.parametrize("lengths,decay", [([5, 64, 70, 0, 33, 130], 0.2), ([70, 130, 1, 64], 4.0)])
+def test_triton_gam_on_chip_on_packed_sequences(lengths, decay, monkeypatch):
+    """settings.INTRA_A_GAM_ON_CHIP on packed sequences (fp32): o and the final states as
+    with gam through memory, to fp32 rounding, and the reference's; at decays of up to 4 a
+    token some chunks are steep (flagged 2: the steep launch reads their rows of gam), at
+    0.2 none. Short tiles off (they keep gam_fwd:
+    test_triton_gam_on_chip_serves_where_nothing_reads_gam)."""
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, settings
+    from kda_op.triton_kernels._host import _sizes
+
+    _four_launch_intra(monkeypatch)
+    monkeypatch.setattr(settings, "SHORT_TILE", 0)
+    cu, (q, k, v, g, beta), _, _ = _packed_problem(lengths, seed=83, gated=False, decay=decay)
+    h0 = torch.randn(len(lengths), 2, 32, 16, generator=torch.Generator().manual_seed(84))
+    dev = [x.to(DEVICE) for x in (q, k, v, g, beta)]
+    results, gam_launches = [], []
+    _on_launch(monkeypatch, fwd, "kda_gam_fwd_kernel", lambda kw: gam_launches.append(1))
+    for on_chip in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", on_chip)
+        gam_launches.clear()
+        results.append(kda_fwd_triton(*dev, None, h0.to(DEVICE), cu_seqlens=cu.to(DEVICE))[:2])
+        assert len(gam_launches) == 1 - on_chip
+    x = fwd._intra_fwd(*dev, 32 ** -0.5, _sizes(dev[0], dev[2], cu_seqlens=cu.to(DEVICE), has_initial_state=True),
+                       store_tm=False)
+    assert bool((x["steep"] == 2).any()) == (decay > 1), x["steep"]
+    o_ref, ht_ref, _, _ = _reference_fwd(q, k, v, g, beta, None, h0, None, cu)
+    for name, a, b, r in zip(("o", "final_state"), results[1], results[0], (o_ref, ht_ref)):
+        _rel_close(a, b, name)
+        _rel_close(a, r, name)
+
+
+def test_triton_gam_on_chip_serves_where_nothing_reads_gam(monkeypatch):
+    """settings.INTRA_A_GAM_ON_CHIP serves a forward that keeps nothing without fla's gate
+    and off short packed sequences' tiles; a forward that keeps its intermediates (the
+    backward reads gam) and the backward's recompute run gam_fwd; values other than 0 and
+    1 are refused."""
+    from kda_op.triton_kernels import fwd, settings
+
+    monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", 1)
+    assert fwd._gam_on_chip_serves(False, None, False)
+    assert not fwd._gam_on_chip_serves(True, None, False)  # keeps Tm: the backward reads gam
+    assert not fwd._gam_on_chip_serves(False, (torch.zeros(1), None, -5.0), False)  # fla's gate: gam_fwd applies it
+    assert not fwd._gam_on_chip_serves(False, None, True)  # short tiles
+    monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", 0)
+    assert not fwd._gam_on_chip_serves(False, None, False)
+    monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", 2)
+    with pytest.raises(ValueError, match="INTRA_A_GAM_ON_CHIP"):
+        fwd._gam_on_chip_serves(False, None, False)
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="checks the interpreter's accesses")

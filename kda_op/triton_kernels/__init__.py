@@ -3,7 +3,8 @@
 
 forward   gam_fwd.py     gam = cumsum(g) per chunk (settings.INTRA_GAM_KERNEL)
           intra_a_fwd.py  (gam where gam_fwd.py is off) A_kk, A_qk, Qg, Kr (a separate
-                         launch for steep chunks)
+                         launch for steep chunks); where nothing is kept, gam on chip and
+                         Kb for W (settings.INTRA_A_GAM_ON_CHIP)
           intra_wu_fwd.py Tm = (I + diag(beta) A_kk)^-1, W, U
           state_fwd.py   the scan over chunks: chunk states, residuals U' = U - W S0
           output_fwd.py  O = (Q exp(gam)) S0 + A_qk U'

@@ -117,7 +117,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # (settings.INTRA_A_GAM_ON_CHIP): where nothing is kept and there is no gate to apply
     on_chip = _gam_on_chip_serves(store_tm, gate, short_tiles)
     gam_kernel = (bool(S.INTRA_GAM_KERNEL) or gate is not None) and not on_chip
-    kbg = (torch.empty(B, T, HV, K, device=q.device, dtype=_kbg_dtype(q.dtype)) if on_chip
+    kbg = (torch.empty(B, T, HV, K, device=q.device, dtype=scan_operand_dtype(q.dtype)) if on_chip
            else _stand_in(out["w"], traced))
     NKB = _cdiv(K, S.BKG)
     ga = _gate_args(gate, g)
@@ -152,7 +152,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
             BKR=min(128, _pow2(K)), QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(),
             MODE_LOOPS=bool(S.INTRA_A_MODE_LOOPS), **tiling,
-            beta=beta, kbg=kbg, GAM_DOTS=on_chip and bool(S.INTRA_A_GAM_DOTS), STORE_GAM=not on_chip, KBG=on_chip,
+            beta=beta, kbg=kbg, STORE_GAM=not on_chip, KBG=on_chip,
             num_warps=S.INTRA_A_FWD_WARPS, num_stages=S.INTRA_A_FWD_STAGES, **regs,
         )
     if not _no_steep_launch(ga):
@@ -192,12 +192,6 @@ def _gam_on_chip_serves(store_tm: bool, gate: Optional[tuple], short_tiles: bool
     if S.INTRA_A_GAM_ON_CHIP not in (0, 1):
         raise ValueError(f"settings.INTRA_A_GAM_ON_CHIP: expected 0 or 1, got {S.INTRA_A_GAM_ON_CHIP!r}")
     return bool(S.INTRA_A_GAM_ON_CHIP) and not store_tm and gate is None and not short_tiles
-
-
-def _kbg_dtype(input_dtype: torch.dtype) -> torch.dtype:
-    """Kb's dtype (INTRA_A_GAM_ON_CHIP): bf16 for bf16 inputs under settings.KBG_BF16,
-    else fp32 (what W's dot would read)."""
-    return torch.bfloat16 if S.KBG_BF16 and input_dtype == torch.bfloat16 else torch.float32
 
 
 def _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s: dict, common: dict, traced: bool) -> None:

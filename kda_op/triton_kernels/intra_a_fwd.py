@@ -10,6 +10,9 @@ chunk it writes
   Qg = Q * scale * exp(gam),  Kr = K * exp(Gam - gam)   [B, T, HV, K]  (Gam: the chunk's
                                last gam) in the scans' operand dtype: what the scans and
                                the output read instead of Q, K and gam
+Where the forward keeps nothing (settings.INTRA_A_GAM_ON_CHIP) gam stays on chip but each
+chunk's last row (the scans' decay) and a steep chunk's rows, and it also writes
+  Kb = diag(beta) K exp(gam)   [B, T, HV, K]      (the scans' operand dtype) for intra_wu_fwd's W
 
 Numerics: exp(gam_i - gam_j) is never formed as exp(gam_i) * exp(-gam_j) over
 the chunk. kda_intra_a_fwd_kernel splits it at the chunk's middle row m,
@@ -32,36 +35,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._dot import as_stored, dot_bf16, round_to_bf16_as_fp32
+from ._dot import as_stored
 from ._indexing import (chunk_coords, chunk_in_sequence, gam_row, left_to_the_other_launch, work_list_block,
                         work_list_item, work_list_range)
 from ._math import exp
 
 
 @triton.jit
-def _cumsum_rows_by_dots(b_x, R: tl.constexpr, INTERPRET: tl.constexpr):
-    """cumsum(b_x, axis=0) of an fp32 [R, N] tile as L b_x, L the lower-triangular ones
-    (bf16, exact), on the tensor cores: b_x split into three bf16 parts (8 bits of
-    mantissa each, their sum b_x to fp32's 24 bits), whose products with L are exact,
-    accumulated in fp32 (the order of the sum is the dots', not a scan's)."""
-    o_r = tl.arange(0, R)
-    b_l = tl.where(o_r[:, None] >= o_r[None, :], 1.0, 0.0)
-    b_x1 = round_to_bf16_as_fp32(b_x)
-    b_r = b_x - b_x1  # exact in fp32
-    b_x2 = round_to_bf16_as_fp32(b_r)
-    b_x3 = b_r - b_x2
-    return dot_bf16(b_l, b_x1, INTERPRET) + dot_bf16(b_l, b_x2, INTERPRET) + dot_bf16(b_l, b_x3, INTERPRET)
-
-
-@triton.jit
-def _chunk_gam(g, p_tk, m_tk, R: tl.constexpr, GAM_DOTS: tl.constexpr, INTERPRET: tl.constexpr):
+def _chunk_gam(g, p_tk, m_tk):
     """gam = cumsum(g) down a chunk's rows for one K slice (rows past the end load g = 0,
-    so they repeat the last gam): by tl.cumsum, or by dots (GAM_DOTS)."""
-    b_g = tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32)
-    if GAM_DOTS:
-        return _cumsum_rows_by_dots(b_g, R, INTERPRET)
-    else:
-        return tl.cumsum(b_g, axis=0)
+    so they repeat the last gam)."""
+    return tl.cumsum(tl.load(g + p_tk, mask=m_tk, other=0.0).to(tl.float32), axis=0)
 
 
 @triton.jit
@@ -117,13 +101,11 @@ def kda_intra_a_fwd_kernel(
     BKR: tl.constexpr = 64, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
     PICK_TILE: tl.constexpr = 0, QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True,
     FAST_EXP: tl.constexpr = False, MODE_LOOPS: tl.constexpr = False,
-    beta=None, kbg=None, GAM_DOTS: tl.constexpr = False, STORE_GAM: tl.constexpr = True,
-    KBG: tl.constexpr = False,
+    beta=None, kbg=None, STORE_GAM: tl.constexpr = True, KBG: tl.constexpr = False,
 ):
     # FAST_EXP: _math.exp without subnormals.
     # Without GAM_IN only (settings.INTRA_A_GAM_ON_CHIP, a forward that keeps nothing):
-    # GAM_DOTS: gam = cumsum(g) by dots with the lower-triangular ones (_cumsum_rows_by_dots)
-    # rather than tl.cumsum. STORE_GAM = False: of gam only each chunk's last row is stored
+    # STORE_GAM = False: of gam only each chunk's last row is stored
     # (the scans' decay), and a steep chunk's every row (the steep launch reads them).
     # KBG: Kb = diag(beta) K exp(gam) stored into ``kbg`` (the scans' operand dtype) for
     # intra_wu_fwd's W (its KBG_IN), which then reads neither K nor gam.
@@ -196,16 +178,16 @@ def kda_intra_a_fwd_kernel(
         if T <= PICK_TILE:
             _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
                      K, BT, PICK_TILE, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
-                     ROW_SPREADS, BKR, FAST_EXP, MODE_LOOPS, beta, kbg, GAM_DOTS, STORE_GAM, KBG)
+                     ROW_SPREADS, BKR, FAST_EXP, MODE_LOOPS, beta, kbg, STORE_GAM, KBG)
         else:
             _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
                      K, BT, BT, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
-                     ROW_SPREADS, BKR, FAST_EXP, MODE_LOOPS, beta, kbg, GAM_DOTS, STORE_GAM, KBG)
+                     ROW_SPREADS, BKR, FAST_EXP, MODE_LOOPS, beta, kbg, STORE_GAM, KBG)
     else:
         R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
         _a_chunk(q, k, g, gam, spreads, akk, aqk, steep, qg, kr, store_qg, store_kr, scale, T, H, HV,
                  K, BT, R, BKA, DOT_PREC, MAX_SPLIT, SPREAD_TILE, GAM_IN, INTERPRET, NKB, BLOCK_REFS, BC,
-                 ROW_SPREADS, BKR, FAST_EXP, MODE_LOOPS, beta, kbg, GAM_DOTS, STORE_GAM, KBG)
+                 ROW_SPREADS, BKR, FAST_EXP, MODE_LOOPS, beta, kbg, STORE_GAM, KBG)
 
 
 @triton.jit
@@ -265,7 +247,7 @@ def _a_chunk(
     GAM_IN: tl.constexpr, INTERPRET: tl.constexpr, NKB: tl.constexpr,
     BLOCK_REFS: tl.constexpr, BC: tl.constexpr, ROW_SPREADS: tl.constexpr, BKR: tl.constexpr,
     FAST_EXP: tl.constexpr, MODE_LOOPS: tl.constexpr = False, beta=None, kbg=None,
-    GAM_DOTS: tl.constexpr = False, STORE_GAM: tl.constexpr = True, KBG: tl.constexpr = False,
+    STORE_GAM: tl.constexpr = True, KBG: tl.constexpr = False,
 ):
     """One chunk's gam (without GAM_IN), A's, steep flag, Qg and Kr on [R, R] tiles
     (R = BT, or a short chunk's tile). The pointers are at the chunk's first row and
@@ -345,7 +327,7 @@ def _a_chunk(
             m_k = o_k < K
             m_tk = m_t[:, None] & m_k[None, :]
             p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
-            b_gam = _chunk_gam(g, p_tk, m_tk, R, GAM_DOTS, INTERPRET)
+            b_gam = _chunk_gam(g, p_tk, m_tk)
             b_glast = tl.sum(tl.where(is_last, b_gam, 0.0), 0)
             if STORE_GAM:
                 tl.store(gam + p_tk, b_gam, mask=m_tk)
@@ -374,7 +356,7 @@ def _a_chunk(
                     o_k = i_s * BKA + tl.arange(0, BKA)
                     m_tk = m_t[:, None] & (o_k < K)[None, :]
                     p_tk = (o_t[:, None]) * (HV * K) + o_k[None, :]
-                    tl.store(gam + p_tk, _chunk_gam(g, p_tk, m_tk, R, GAM_DOTS, INTERPRET), mask=m_tk)
+                    tl.store(gam + p_tk, _chunk_gam(g, p_tk, m_tk), mask=m_tk)
 
     # 0 or 1: the A's are formed here; 2: by the steep launch (any nonzero: the backward's steep path)
     tl.store(steep, mode.to(tl.int32))

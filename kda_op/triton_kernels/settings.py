@@ -153,20 +153,20 @@ INTRA_A_FWD_STAGES = 3  # Triton's default, as launched before the setting (2 an
 INTRA_GAM_KERNEL = 1
 BKG = 64
 # Where the forward keeps nothing and applies no gate (fwd._gam_on_chip_serves): gam formed
-# inside intra_a_fwd as INTRA_GAM_KERNEL = 0 does, but stored only as each chunk's last row
-# (the scans' decay; a steep chunk's rows for the steep launch), and Kb = diag(beta) K
-# exp(gam) stored for intra_wu_fwd's W, which then reads neither K nor gam (1); or gam
-# through memory as INTRA_GAM_KERNEL says (0). At B8-T8192-H16 (K = V = 128, bf16) gam is
-# 0.5 GB written and read twice, gam_fwd's launch 0.37 ms of a 2.78 ms forward (H100,
-# 2026-12-06), and INTRA_GAM_KERNEL = 0 took intra_a_fwd 0.82 -> 1.20 ms, the time gam_fwd
-# saved (its full store of gam included). Untimed as built.
-# INTRA_A_GAM_DOTS: its cumsum by three bf16 dots with the lower-triangular ones (exact
-# products, fp32 sums: intra_a_fwd._cumsum_rows_by_dots) instead of tl.cumsum's cross-warp
-# scan. KBG_BF16: Kb in bf16 for bf16 inputs (half the bytes; W's TF32 dot then reads
-# operands rounded to bf16, as W itself is stored), else fp32.
-INTRA_A_GAM_ON_CHIP = 0
-INTRA_A_GAM_DOTS = 1
-KBG_BF16 = 1
+# inside intra_a_fwd by tl.cumsum as INTRA_GAM_KERNEL = 0 does, but stored only as each
+# chunk's last row (the scans' decay; a steep chunk's every row, for the steep launch), and
+# Kb = diag(beta) K exp(gam) stored in the scans' operand dtype (bf16 for bf16 inputs) for
+# intra_wu_fwd's W, which then reads neither K nor gam (1); or gam through memory as
+# INTRA_GAM_KERNEL says (0). H100 (2026-12-06, ours alone, kernels by GPU time): forward
+# 2.755 -> 2.462 ms at B8-T8192-H16 (gam_fwd's 0.36 ms gone, intra_a_fwd 0.81 -> 1.06,
+# intra_wu_fwd 0.77 -> 0.60), 1.591 -> 1.451 at B2-T8192-H8-HV32, 1.907 -> 1.765 at
+# B1-T32768-H16. Tried the same day and slower: the cumsum as three bf16 dots with the
+# lower-triangular ones (exact products; B8 forward 2.787 ms: the [64, 64] operand spilled,
+# 284 B), and Kb in fp32 (3.439 ms). Kb in bf16 rounds W's right-hand side as W itself is
+# stored (o's error to the fp64 reference unchanged in the tests); chunks steep past
+# MAX_SPLIT go to the steep launch (no block references in intra_a_fwd without gam_fwd's
+# spreads).
+INTRA_A_GAM_ON_CHIP = 1
 # Two warps: four and eight took gam_fwd 0.083 -> 0.097 / 0.126 ms at B1-T8192-H16
 # (layer flags) and 1.34 -> 1.98 ms (eight) at 2048 packed sequences of 1-64 tokens
 # (H200, 2026-12-01, same process).
