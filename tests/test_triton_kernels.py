@@ -1183,7 +1183,8 @@ def test_triton_gam_on_chip_matches_gam_through_memory(dtype, T_cut, monkeypatch
     for name in ("kda_gam_fwd_kernel", "kda_intra_a_fwd_kernel", "kda_intra_wu_fwd_kernel"):
         _on_launch(monkeypatch, fwd, name, lambda kw, name=name: launched.append(
             (name, kw.get("KBG", kw.get("KBG_IN")))))
-    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel", lambda kw: kbg.append(kw["kbg"]))
+    # (a copy: intra_wu_fwd writes W over Kb in place)
+    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel", lambda kw: kbg.append(kw["kbg"].clone()))
 
     monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", 1)
     x = fwd._intra_fwd(*args, 48 ** -0.5, _sizes(args[0], args[2]), store_tm=False)
@@ -1586,6 +1587,8 @@ def test_triton_akk_in_bf16_keeps_the_forward_at_its_bf16_error(problem, monkeyp
 
     monkeypatch.setattr(fwd, "_intra_fwd", recording)
     monkeypatch.setattr(settings, "INTRA_FUSED_FWD", 0)  # the separate launches, whose A_kk this is
+    # gam through memory where nothing is kept too, so that the two forwards' bits compare
+    monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", 0)
     gate = cu = None
     if problem == "packed_bounded_gate":
         # fla's bounded gate: intra_a_fwd_rows.py forms the A's (INTRA_A_ROW_PROGRAMS)

@@ -117,8 +117,14 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # (settings.INTRA_A_GAM_ON_CHIP): where nothing is kept and there is no gate to apply
     on_chip = _gam_on_chip_serves(store_tm, gate, short_tiles)
     gam_kernel = (bool(S.INTRA_GAM_KERNEL) or gate is not None) and not on_chip
-    kbg = (torch.empty(B, T, HV, K, device=q.device, dtype=scan_operand_dtype(q.dtype)) if on_chip
-           else _stand_in(out["w"], traced))
+    # Kb goes into W's buffer, which intra_wu_fwd overwrites with W = Tm Kb in place (each
+    # program reads its chunk's rows of a K slice of Kb before it writes W's there), so gam on
+    # chip costs no memory; traced, a buffer of its own (a launch passes no tensor twice: see
+    # _stand_in)
+    if on_chip:
+        kbg = torch.empty_like(w) if traced else w
+    else:
+        kbg = _stand_in(w, traced)
     NKB = _cdiv(K, S.BKG)
     ga = _gate_args(gate, g)
     # gam_fwd's spreads of each chunk (per K block), for intra_a_fwd's choice of path,
