@@ -382,9 +382,9 @@ def main(argv: list[str] | None = None) -> int:
                               OUTPUT_BF16_DOTS=bool(s["OUTPUT_BF16_DOTS"]),
                               GLAST_AHEAD=bool(S.FUSED_OUTPUT_GLAST_AHEAD)),
                          S.FUSED_OUTPUT_WARPS or S.SCAN_FWD_WARPS or S.SCAN_WARPS, S.FUSED_OUTPUT_STAGES))
-    if S.INTRA_A_GAM_ON_CHIP and not args.gate:
-        # gam formed in intra_a_fwd and Kb handed to intra_wu_fwd (settings.INTRA_A_GAM_ON_CHIP):
-        # as a forward that keeps nothing launches them
+    if S.INTRA_A_GAM_ON_CHIP and not args.gate and args.dtype == "bf16":
+        # gam formed in intra_a_fwd and Kb handed to intra_wu_fwd (settings.INTRA_A_GAM_ON_CHIP,
+        # bf16 inputs): as a forward that keeps nothing launches them
         kb = op
         a_run = [r for r in runs if r[0] is intra_a_fwd.kda_intra_a_fwd_kernel][0]
         runs.append((a_run[0], dict(a_run[1], beta=x, kbg=kb),

@@ -115,7 +115,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
     # gam formed inside intra_a_fwd and kept on chip, Kb handed to intra_wu_fwd instead
     # (settings.INTRA_A_GAM_ON_CHIP): where nothing is kept and there is no gate to apply
-    on_chip = _gam_on_chip_serves(store_tm, gate, short_tiles)
+    on_chip = _gam_on_chip_serves(store_tm, gate, short_tiles, q.dtype)
     gam_kernel = (bool(S.INTRA_GAM_KERNEL) or gate is not None) and not on_chip
     # Kb goes into W's buffer, which intra_wu_fwd overwrites with W = Tm Kb in place (each
     # program reads its chunk's rows of a K slice of Kb before it writes W's there), so gam on
@@ -189,15 +189,19 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
 
 
-def _gam_on_chip_serves(store_tm: bool, gate: Optional[tuple], short_tiles: bool) -> bool:
+def _gam_on_chip_serves(store_tm: bool, gate: Optional[tuple], short_tiles: bool, input_dtype: torch.dtype) -> bool:
     """Whether intra_a_fwd forms gam itself and hands Kb = diag(beta) K exp(gam) to
     intra_wu_fwd (settings.INTRA_A_GAM_ON_CHIP), so that gam never goes through memory but
     each chunk's last row (the scans' decay) and a steep chunk's rows (the steep launch's):
     where nothing is kept (the backward reads gam), without fla's in-kernel gate (gam_fwd.py
-    applies it), and not on short packed sequences' tiles."""
+    applies it), not on short packed sequences' tiles, and on bf16 inputs, whose Kb is bf16.
+    Other inputs would hand Kb over in fp32: more bytes than K and gam (timed slower on bf16
+    inputs), and under Triton 3.6-3.8 intra_wu_fwd's W dot would then read the tile its async
+    copy wrote without a proxy fence (tests/test_kernel_resources.py)."""
     if S.INTRA_A_GAM_ON_CHIP not in (0, 1):
         raise ValueError(f"settings.INTRA_A_GAM_ON_CHIP: expected 0 or 1, got {S.INTRA_A_GAM_ON_CHIP!r}")
-    return bool(S.INTRA_A_GAM_ON_CHIP) and not store_tm and gate is None and not short_tiles
+    return (bool(S.INTRA_A_GAM_ON_CHIP) and not store_tm and gate is None and not short_tiles
+            and input_dtype == torch.bfloat16)
 
 
 def _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s: dict, common: dict, traced: bool) -> None:

@@ -152,7 +152,7 @@ INTRA_A_FWD_STAGES = 3  # Triton's default, as launched before the setting (2 an
 # when nothing is kept (forward 1.846 -> 2.054 ms).
 INTRA_GAM_KERNEL = 1
 BKG = 64
-# Where the forward keeps nothing and applies no gate (fwd._gam_on_chip_serves): gam formed
+# Where the forward keeps nothing and applies no gate, on bf16 inputs (fwd._gam_on_chip_serves): gam formed
 # inside intra_a_fwd by tl.cumsum as INTRA_GAM_KERNEL = 0 does, but stored only as each
 # chunk's last row (the scans' decay; a steep chunk's every row, for the steep launch), and
 # Kb = diag(beta) K exp(gam) stored in the scans' operand dtype (bf16 for bf16 inputs) for
