@@ -385,13 +385,12 @@ def main(argv: list[str] | None = None) -> int:
     if S.INTRA_A_GAM_ON_CHIP and not args.gate and args.dtype == "bf16":
         # gam formed in intra_a_fwd and Kb handed to intra_wu_fwd (settings.INTRA_A_GAM_ON_CHIP,
         # bf16 inputs): as a forward that keeps nothing launches them
-        kb = op
         a_run = [r for r in runs if r[0] is intra_a_fwd.kda_intra_a_fwd_kernel][0]
-        runs.append((a_run[0], dict(a_run[1], beta=x, kbg=kb),
+        runs.append((a_run[0], dict(a_run[1], beta=x, kbg=op),
                      dict(a_run[2], GAM_IN=False, STORE_GAM=False, KBG=True),
                      *a_run[3:]))
         wu_run = [r for r in runs if r[0] is intra_wu_fwd.kda_intra_wu_fwd_kernel and not r[2]["STORE_TM"]][0]
-        runs.append((wu_run[0], dict(wu_run[1], kbg=kb), dict(wu_run[2], KBG_IN=True), *wu_run[3:]))
+        runs.append((wu_run[0], dict(wu_run[1], kbg=op), dict(wu_run[2], KBG_IN=True), *wu_run[3:]))
     if S.STEEP_WORK_LIST:
         # the steep launches as work lists (settings.STEEP_WORK_LIST)
         for fn in (intra_a_fwd.kda_intra_a_fwd_steep_kernel, intra_bwd_a.kda_intra_bwd_a_kernel):

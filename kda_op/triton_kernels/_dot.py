@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def round_to_bf16_as_fp32(x):
+def _round_to_bf16_as_fp32(x):
     """fp32 ``x`` rounded to the nearest bf16 (ties to even), kept in fp32: what
     the GPU's conversion gives (finite inputs). The interpreter's own fp32 -> bf16
     cast truncates instead, which would overstate the rounding error."""
@@ -25,7 +25,7 @@ def dot_bf16(a, b, INTERPRET: tl.constexpr):
     operands are rounded in fp32 and multiplied in IEEE fp32: the same products,
     so CPU CI checks where the rounding happens and what it costs."""
     if INTERPRET:
-        return tl.dot(round_to_bf16_as_fp32(a), round_to_bf16_as_fp32(b), input_precision="ieee")
+        return tl.dot(_round_to_bf16_as_fp32(a), _round_to_bf16_as_fp32(b), input_precision="ieee")
     else:
         return tl.dot(a.to(tl.bfloat16), b.to(tl.bfloat16))
 
@@ -48,5 +48,5 @@ def as_stored(x, ptr, INTERPRET: tl.constexpr):
     runs see the GPU's rounding of bf16 intermediates and outputs."""
     if INTERPRET:
         if ptr.dtype.element_ty == tl.bfloat16:
-            x = round_to_bf16_as_fp32(x)
+            x = _round_to_bf16_as_fp32(x)
     return x

@@ -46,7 +46,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .._contract import chunk_states_dtype, scan_operand_dtype, varlen_chunk_slots, varlen_state_slots
-from ._dot import as_stored, dot, round_to_bf16_as_fp32
+from ._dot import _round_to_bf16_as_fp32, as_stored, dot
 from ._host import (_INTERPRET, _SERVES, _cdiv, _check_grid, _check_offsets, _dot_precision, _fast_exp, _pow2,
                     _sizes)
 from ._indexing import scan_ends, sequence_coords, state_tile
@@ -62,7 +62,7 @@ def _operand(x, BF16: tl.constexpr, INTERPRET: tl.constexpr):
     fp32 holding the rounded values."""
     if BF16:
         if INTERPRET:
-            return round_to_bf16_as_fp32(x)
+            return _round_to_bf16_as_fp32(x)
         else:
             return x.to(tl.bfloat16)
     else:
