@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         (intra_a_fwd.kda_intra_a_fwd_kernel,
          dict(**vl_chunk, q=x, k=x, g=f32, gam=f32, spreads=f32, akk=f32, aqk=aq, steep="*i32", qg=op, kr=op,
               scale=scale_type, **ints),
-         dict(**varlen, K=K, BT=BT, BKA=S.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE),
+         dict(**varlen, K=K, BT=BT, BKA=S.BKA, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, SPREAD_TILE=int(S.INTRA_A_SPREAD_TILE),
               GAM_IN=bool(S.INTRA_GAM_KERNEL), NKB=triton.cdiv(K, S.BKG),
               BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads, FAST_EXP=bool(S.FAST_EXP),
               BKR=min(128, triton.next_power_of_2(K)), MODE_LOOPS=bool(S.INTRA_A_MODE_LOOPS)),

@@ -1060,21 +1060,38 @@ def test_triton_row_spreads_pick_the_paths_of_gam_spreads(T_cut, monkeypatch):
             assert torch.equal(results[0][name], results[1][name]), name
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, monkeypatch):
-    """settings.INTRA_A_SPREAD_TILE (intra_a_fwd's steep test reduced once after its
-    K loop) decides the same chunks steep: every output and kept intermediate
-    bitwise equal, with a steep chunk and a partial one."""
+@pytest.mark.parametrize("dtype,on_chip", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_triton_intra_a_spread_tile_gives_the_same_bits(dtype, on_chip, monkeypatch):
+    """settings.INTRA_A_SPREAD_TILE (where intra_a_fwd forms gam itself, how it reduces its
+    steep test: 0 per K slice, 1 the tile once after the K loop, 2 each row's per slice
+    inside the warps, then once) decides the same chunks steep: every output of the
+    intra-chunk stage bitwise equal, with a steep chunk and a partial one; where gam is
+    stored whole (INTRA_GAM_KERNEL = 0, kept) and kept on chip (INTRA_A_GAM_ON_CHIP: bf16,
+    nothing kept; there gam's rows that are written: each chunk's last, the steep chunk's all)."""
     from kda_op.triton_kernels import settings
+    from kda_op.triton_kernels._host import _sizes
+    from kda_op.triton_kernels.fwd import _gam_on_chip_serves, _intra_fwd
 
-    args, h0 = _with_steep_second_chunk(dtype, seed=41)
+    _four_launch_intra(monkeypatch)
+    monkeypatch.setattr(settings, "INTRA_GAM_KERNEL", 0)
+    monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", int(on_chip))
+    args, _ = _with_steep_second_chunk(dtype, seed=41)
+    T = args[0].shape[1]
+    assert _gam_on_chip_serves(not on_chip, None, False, dtype) == on_chip
     results = []
-    for tile in (0, 1):
+    for tile in (0, 1, 2):
         monkeypatch.setattr(settings, "INTRA_A_SPREAD_TILE", tile)
-        results.append(kda_fwd_triton(*args, None, h0, keep_intermediates=True))
-    assert results[1][3].numel() > 0  # the intermediates were kept
-    for per_slice, tiled in zip(*results):
-        assert torch.equal(_bytes(per_slice), _bytes(tiled))
+        results.append(_intra_fwd(*args, 48 ** -0.5, _sizes(args[0], args[2]), store_tm=not on_chip))
+    assert results[0]["steep"][0, :, 0].tolist() == [0, 2, 0], results[0]["steep"]
+    for name in results[0]:
+        if results[0][name] is None:
+            continue
+        for other in results[1:]:
+            if name == "gam" and on_chip:
+                rows = [CHUNK_SIZE - 1, *range(CHUNK_SIZE, 2 * CHUNK_SIZE), T - 1]
+                assert torch.equal(results[0][name][:, rows], other[name][:, rows]), name
+            else:
+                assert torch.equal(results[0][name], other[name]), name
 
 
 @pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
@@ -1232,7 +1249,7 @@ def test_triton_gam_on_chip_on_packed_sequences(lengths, decay, monkeypatch):
                        store_tm=False)
     assert bool((x["steep"] == 2).any()) == (decay > 1), x["steep"]
     o_ref, ht_ref, _, _ = _reference_fwd(*(x.double() for x in (q, k, v, g, beta)), None, h0.double(), None, cu)
-    for name, a, b, r in zip(("o", "final_state"), results[1], results[0], (o_ref, ht_ref)):
+    for name, a, b, r in zip(("o", "final_state"), results[1], results[0], (o_ref.to(DEVICE), ht_ref.to(DEVICE))):
         assert _rel_err(a, b) < 2 ** -8, (name, _rel_err(a, b))  # Kb's bf16 rounding (1.5e-3 on o when written)
         assert _rel_err(a, r) <= 1.1 * _rel_err(b, r) + 1e-4, (name, _rel_err(a, r), _rel_err(b, r))
 

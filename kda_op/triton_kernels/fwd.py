@@ -154,7 +154,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     for tiling in (() if a_rows else tilings):
         _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
             q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
-            SPREAD_TILE=bool(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
+            SPREAD_TILE=int(S.INTRA_A_SPREAD_TILE), GAM_IN=gam_kernel, INTERPRET=_INTERPRET,
             NKB=NKB, BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS), BC=BC, ROW_SPREADS=row_spreads,
             BKR=min(128, _pow2(K)), QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(),
             MODE_LOOPS=bool(S.INTRA_A_MODE_LOOPS), **tiling,

@@ -94,7 +94,7 @@ def kda_intra_a_fwd_kernel(
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, BT: tl.constexpr, BKA: tl.constexpr,
-    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = False,
+    DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, SPREAD_TILE: tl.constexpr = 0,
     GAM_IN: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, NKB: tl.constexpr = 1,
     BLOCK_REFS: tl.constexpr = False, BC: tl.constexpr = 16, ROW_SPREADS: tl.constexpr = False,
@@ -265,6 +265,7 @@ def _a_chunk(
     # strays from the chunk's middle row, and the slices' shares of both A's.
     spread = tl.full([], 0.0, tl.float32)
     b_spread = tl.zeros([R, BKA], dtype=tl.float32)
+    b_rspread = tl.zeros([R], dtype=tl.float32)
     b_akk = tl.zeros([R, R], dtype=tl.float32)
     b_aqk = tl.zeros([R, R], dtype=tl.float32)
     mode = 0
@@ -335,7 +336,12 @@ def _a_chunk(
                 tl.store(gam + gam_row(BT - 1, T) * (HV * K) + o_k, b_glast, mask=m_k)
             b_gmid = tl.sum(tl.where(is_mid, b_gam, 0.0), 0)
             b_dmid = b_gam - b_gmid[None, :]
-            if SPREAD_TILE:
+            if SPREAD_TILE == 2:
+                # each row's largest over the slice (a reduction inside each warp), one
+                # cross-warp reduction after the loop: 16 registers fewer live through the
+                # loop than the tile (sm_90a, on chip: spills 136/152 -> 20/24 B)
+                b_rspread = tl.maximum(b_rspread, tl.max(tl.abs(b_dmid), 1))
+            elif SPREAD_TILE:
                 # elementwise here, one cross-warp reduction after the loop
                 b_spread = tl.maximum(b_spread, tl.abs(b_dmid))
             else:
@@ -347,7 +353,9 @@ def _a_chunk(
                 tl.store(kbg + p_tk, as_stored(b_kb, kbg, INTERPRET).to(kbg.dtype.element_ty), mask=m_tk)
             b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
     if not GAM_IN:
-        if SPREAD_TILE:
+        if SPREAD_TILE == 2:
+            spread = tl.max(b_rspread, 0)
+        elif SPREAD_TILE:
             spread = tl.max(tl.max(b_spread, 1), 0)
         mode = tl.where(spread > MAX_SPLIT, 2, 0)
         if not STORE_GAM:

@@ -116,7 +116,13 @@ INTRA_A_FWD_MAXNREG = 168
 # -> 0.627 at B1-T8192-H16. Tried the same day and dropped: two programs per chunk
 # with one A each (intra_a_fwd 0.714 -> 1.27 ms at B2), two pipeline stages
 # (0.714 -> 0.776), eight warps (0.195 -> 0.232 at B1).
-INTRA_A_SPREAD_TILE = 1
+# 2 (gam on chip, INTRA_A_GAM_ON_CHIP): each row's largest over the slice (a reduction
+# inside each warp), one cross-warp reduction after the loop, the same value: 16 fp32
+# registers fewer live through the K loop than the tile (sm_90a, Triton 3.6, cap 168:
+# spills 136/152 -> 20/24 B). On an H100 (2026-12-06, ours alone, kernels by GPU time):
+# intra_a_fwd 1.048 -> 0.987 ms at B8-T8192-H16, forward 2.455 -> 2.395 ms; B2-T8192-H8-HV32
+# 1.453 -> 1.423; B1-T32768-H16 1.760 -> 1.729. The loop where gam is read does not use it.
+INTRA_A_SPREAD_TILE = 2
 # intra_a_fwd with gam read (INTRA_GAM_KERNEL): a K loop per path (split at the middle
 # row, block references, none; _a_slices), the path known before the loop, instead of one
 # loop branching on it around its dots (1); the same values (bitwise under the
