@@ -151,6 +151,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             num_stages=S.INTRA_A_ROWS_STAGES,
             **(dict(maxnreg=S.INTRA_A_ROWS_MAXNREG) if S.INTRA_A_ROWS_MAXNREG else {}),
         )
+    if S.INTRA_A_SPREAD_TILE not in (0, 1, 2):  # the kernel would read any other value as 1
+        raise ValueError(f"settings.INTRA_A_SPREAD_TILE: expected 0, 1 or 2, got {S.INTRA_A_SPREAD_TILE!r}")
     for tiling in (() if a_rows else tilings):
         _kernel(kda_intra_a_fwd_kernel, traced)[(NC, B * HV)](
             q, k, g, gam, spreads, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, **common, BKA=S.BKA,
