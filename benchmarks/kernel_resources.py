@@ -382,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
                               OUTPUT_BF16_DOTS=bool(s["OUTPUT_BF16_DOTS"]),
                               GLAST_AHEAD=bool(S.FUSED_OUTPUT_GLAST_AHEAD)),
                          S.FUSED_OUTPUT_WARPS or S.SCAN_FWD_WARPS or S.SCAN_WARPS, S.FUSED_OUTPUT_STAGES))
+        # ... and both again where its programs are one wave or fewer, as FUSED_OUTPUT_ONE_WAVE
+        # launches them (settings.py; off until timed)
+        runs += [(fn, sig, const, S.FUSED_OUTPUT_ONE_WAVE_WARPS, S.FUSED_OUTPUT_ONE_WAVE_STAGES)
+                 for fn, sig, const, _, _ in runs[-2:]]
     if S.INTRA_A_GAM_ON_CHIP and not args.gate and args.dtype == "bf16":
         # gam formed in intra_a_fwd and Kb handed to intra_wu_fwd (settings.INTRA_A_GAM_ON_CHIP,
         # bf16 inputs): as a forward that keeps nothing launches them

@@ -656,6 +656,33 @@ def test_fused_scan_never_takes_v_blocks_below_its_device_floor(monkeypatch):
         assert fwd._fuses_output(s, {"w": q}) == fused, (bv, on_device)
 
 
+def test_fused_scan_takes_the_one_wave_launch_only_where_set(monkeypatch):
+    """Where the fused scan's programs are one wave or fewer (B2-T8192-H8-HV32: 128 of V block
+    64 on 132 SMs) it is taken only under settings.FUSED_OUTPUT_ONE_WAVE, at that launch's
+    warps and stages; where they outnumber the SMs (B8-T8192-H16: 256) at FUSED_OUTPUT_WARPS
+    and _STAGES either way; a value other than 0 or 1 is refused."""
+    from kda_op.triton_kernels import fwd, settings
+
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_ONE_WAVE_WARPS", 8)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_ONE_WAVE_STAGES", 2)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_WARPS", 4)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_STAGES", 1)
+
+    def launch(B, H, HV, one_wave):
+        monkeypatch.setattr(settings, "FUSED_OUTPUT_ONE_WAVE", one_wave)
+        q = torch.empty(B, 64, H, 128, device="meta", dtype=torch.bfloat16)
+        v = torch.empty(B, 64, HV, 128, device="meta", dtype=torch.bfloat16)
+        s = fwd._sizes(q, v, has_initial_state=False)
+        assert s["BV_SCAN_FWD"] == 64
+        return fwd._fused_output_launch(s, {"w": q})
+
+    assert launch(2, 8, 32, 0) is None
+    assert launch(2, 8, 32, 1) == (8, 2)
+    assert launch(8, 16, 16, 0) == launch(8, 16, 16, 1) == (4, 1)
+    with pytest.raises(ValueError, match="FUSED_OUTPUT_ONE_WAVE"):
+        launch(2, 8, 32, 2)
+
+
 def _bf16_scan_problem(packed, with_h0, lengths, seed_decay):
     """The scans' tests' inputs, q, k, v and beta in bf16: packed sequences of ``lengths``
     (no initial state; ``_packed_problem`` with log decays in [-decay, 0)), or two sequences
@@ -747,9 +774,11 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
         assert torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])
         assert torch.equal(pools[1][1], pool[1]) and not torch.equal(pools[1][5], pool[5])
         assert outs[1][:, 20:150].abs().max() == 0 and outs[1][:, :20].abs().max() > 0
-    # at no more programs than one an SM (132 SMs in CPU runs), below the V-block floor, and
-    # on fp32 inputs (fp32 operands): the scan, then the output kernel
+    # at no more programs than one an SM (132 SMs in CPU runs) unless FUSED_OUTPUT_ONE_WAVE
+    # (test_fused_scan_takes_the_one_wave_launch_only_where_set), below the V-block floor,
+    # and on fp32 inputs (fp32 operands): the scan, then the output kernel
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 1)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_ONE_WAVE", 0)
     launches.clear()
     kda_fwd_triton(*args, keep, cu_seqlens=cu_d)
     assert launches == unfused_launches, launches
@@ -816,7 +845,10 @@ def _fused_scan_at_small_sizes(monkeypatch) -> None:
     monkeypatch.setattr(settings, "BV_SCAN", FUSED_SCAN_BV)
     monkeypatch.setattr(settings, "FUSED_OUTPUT", 1)
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", FUSED_SCAN_BV)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)
+    if not settings.FUSED_OUTPUT_ONE_WAVE:
+        monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)
+    # else (KDA_TEST_SETTINGS="FUSED_OUTPUT_ONE_WAVE=1"): the tests' few programs take the
+    # one-wave launch, its warps and stages
 
 
 @pytest.mark.parametrize("ahead", [0, 1])

@@ -406,25 +406,39 @@ def _one_pass_serves(q: Tensor, s: dict, gate: Optional[tuple]) -> bool:
 _FUSED_OUTPUT_DEVICE_MIN_BV = 64
 
 
-def _fuses_output(s: dict, x: dict) -> bool:
+def _fused_output_launch(s: dict, x: dict) -> Optional[tuple[int, int]]:
     """Whether the forward scan writes the output itself (settings.FUSED_OUTPUT,
-    state_output_fwd.py): where its V block is at least FUSED_OUTPUT_MIN_BV, i.e. where
-    its programs fill the device (where they are few, the output's dots would lengthen
-    each chunk's step of a latency-bound scan), and on bf16 operands (bf16 inputs) with
-    K <= 128, what it was built for: on fp32 operands it spills 0.6-7 KB (sm_90a, TF32
-    dots), and at K = 256 with fp16 inputs it needs more shared memory than the H200 has.
-    On a GPU never below V blocks of 64 (_FUSED_OUTPUT_DEVICE_MIN_BV).
-    And where its programs outnumber FUSED_OUTPUT_MIN_PROGRAMS_PER_SM an SM: at one an SM
-    the fused step, longer than the scan's, sets the time (timed, settings.py). A sequence
-    count that stays symbolic (the export op) counts as one, as for the V block: no guard."""
+    state_output_fwd.py), and if so at how many warps and pipeline stages; None where not.
+    It does where its V block is at least FUSED_OUTPUT_MIN_BV, i.e. where its programs
+    fill the device (where they are few, the output's dots would lengthen each chunk's step
+    of a latency-bound scan), and on bf16 operands (bf16 inputs) with K <= 128, what it was
+    built for: on fp32 operands it spills 0.6-7 KB (sm_90a, TF32 dots), and at K = 256 with
+    fp16 inputs it needs more shared memory than the H200 has. On a GPU never below V
+    blocks of 64 (_FUSED_OUTPUT_DEVICE_MIN_BV).
+    Where its programs outnumber FUSED_OUTPUT_MIN_PROGRAMS_PER_SM an SM it takes
+    FUSED_OUTPUT_WARPS / _STAGES; at one an SM or fewer the fused step, longer than the
+    scan's, sets the time (timed, settings.py): fused there only under FUSED_OUTPUT_ONE_WAVE,
+    at FUSED_OUTPUT_ONE_WAVE_WARPS / _STAGES. A sequence count that stays symbolic (the
+    export op) counts as one, as for the V block: no guard."""
     if S.FUSED_OUTPUT not in (0, 1):
         raise ValueError(f"settings.FUSED_OUTPUT: expected 0 or 1, got {S.FUSED_OUTPUT!r}")
+    if S.FUSED_OUTPUT_ONE_WAVE not in (0, 1):
+        raise ValueError(f"settings.FUSED_OUTPUT_ONE_WAVE: expected 0 or 1, got {S.FUSED_OUTPUT_ONE_WAVE!r}")
     nseq = s["NSEQ"] if isinstance(s["NSEQ"], int) else 1
     programs = nseq * s["HV"] * _cdiv(s["V"], s["BV_SCAN_FWD"])
     min_bv = S.FUSED_OUTPUT_MIN_BV if _INTERPRET else max(S.FUSED_OUTPUT_MIN_BV, _FUSED_OUTPUT_DEVICE_MIN_BV)
-    return (bool(S.FUSED_OUTPUT) and s["BV_SCAN_FWD"] >= min_bv
-            and programs > S.FUSED_OUTPUT_MIN_PROGRAMS_PER_SM * _sm_count(x["w"].device)
-            and x["w"].dtype == torch.bfloat16 and s["BK"] <= 128)
+    if not (S.FUSED_OUTPUT and s["BV_SCAN_FWD"] >= min_bv and x["w"].dtype == torch.bfloat16 and s["BK"] <= 128):
+        return None
+    if programs > S.FUSED_OUTPUT_MIN_PROGRAMS_PER_SM * _sm_count(x["w"].device):
+        return S.FUSED_OUTPUT_WARPS or s["SCAN_FWD_WARPS"], S.FUSED_OUTPUT_STAGES
+    if S.FUSED_OUTPUT_ONE_WAVE:
+        return S.FUSED_OUTPUT_ONE_WAVE_WARPS, S.FUSED_OUTPUT_ONE_WAVE_STAGES
+    return None
+
+
+def _fuses_output(s: dict, x: dict) -> bool:
+    """Whether the forward scan writes the output itself (_fused_output_launch)."""
+    return _fused_output_launch(s, x) is not None
 
 
 def _stand_in(tensor: Tensor, traced: bool) -> Tensor:
@@ -449,6 +463,7 @@ def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk
     zeros."""
     T, HV, K, V, NC = s["T"], s["HV"], s["K"], s["V"], s["NC"]
     store_states = chunk_states is not None
+    warps, stages = _fused_output_launch(s, x)  # the callers checked _fuses_output
     _kernel(kda_state_output_fwd_kernel, traced)[(_cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
         x["kr"], x["w"], x["u"], x["gam"], x["qg"], x["aqk"], _stand_in(o, traced) if h0 is None else h0,
         _stand_in(o, traced) if up is None else up,
@@ -459,7 +474,7 @@ def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk
         STORE_UP=up is not None, BF16_DOTS=s["SCAN_BF16_DOTS"], OUTPUT_BF16_DOTS=s["OUTPUT_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first,
         COMPACT_STATES=store_states and s["COMPACT_STATES"], GLAST_AHEAD=bool(S.FUSED_OUTPUT_GLAST_AHEAD),
-        num_warps=S.FUSED_OUTPUT_WARPS or s["SCAN_FWD_WARPS"], num_stages=S.FUSED_OUTPUT_STAGES,
+        num_warps=warps, num_stages=stages,
     )
     if s["IS_VARLEN"] and store_states:
         _zero_unused_state_slots(chunk_states, s, traced)

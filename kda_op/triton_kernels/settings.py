@@ -597,6 +597,26 @@ FUSED_OUTPUT_MIN_PROGRAMS_PER_SM = 1
 # stages 144 KB (one CTA).
 FUSED_OUTPUT_WARPS = 4
 FUSED_OUTPUT_STAGES = 1
+# Where the fused scan's programs are no more than FUSED_OUTPUT_MIN_PROGRAMS_PER_SM an SM
+# (B2-T8192-H8-HV32: 128 programs of V block 64 on 132 SMs), 1 fuses there too, at warps and
+# stages of its own. Each SM then holds one program whatever the configuration, so it may
+# take eight warps and two pipeline stages (the next chunk's tiles in flight as async copies
+# while this chunk's dots run), which the many-programs case cannot afford (two CTAs an SM
+# need four warps and one stage). The thirtieth session's fused scan at B2 (four warps, one
+# stage) lost to the scan then the output (0.563 against 0.306 + 0.184 ms, H200): its loop
+# issues a chunk's five tile loads in three groups split by barriers and waits on them before
+# the chunk's first dot (sm_90a SASS). Compiled here (Triton 3.6, bf16, K = V = 128, V block
+# 64, the forward that keeps nothing): eight warps and two stages take 255 registers, no
+# spills, 144 KB of shared memory; the loop 640 instructions a warp (816 at four warps, one
+# stage), 12 global loads in it (50: the rest are async copies now). At B2 it would drop the
+# chunk states' and U''s round trips through memory (about 0.4 GB of the forward's ~3.3).
+# Built 2026-12-06 without a device (no GPU time was left to this session): 0 until timed
+# (VARIANTS="FUSED_OUTPUT_ONE_WAVE=1" at B2-T8192-H8-HV32) and its fused-scan tests run
+# under it on a GPU (KDA_TEST_SETTINGS="FUSED_OUTPUT_ONE_WAVE=1"; the tests' shapes are one
+# wave).
+FUSED_OUTPUT_ONE_WAVE = 0
+FUSED_OUTPUT_ONE_WAVE_WARPS = 8
+FUSED_OUTPUT_ONE_WAVE_STAGES = 2
 # The fused scan's chunk-ahead load of gam's last row (1; SCAN_GLAST_AHEAD's for this
 # kernel). In its sm_90a SASS (Triton 3.6, bf16, K = V = 128, V block 64) that load, left
 # where it is used, issues after the output's stores and its wait sits on each chunk's chain
