@@ -641,7 +641,7 @@ FUSED_SCAN_BV = 32 if DEVICE == "cpu" else 64
 def test_fused_scan_never_takes_v_blocks_below_its_device_floor(monkeypatch):
     """On a GPU the scan that writes the output is not taken in V blocks below 64, whatever
     settings.FUSED_OUTPUT_MIN_BV says (its sm_90 build is wrong there: fwd.py); the
-    interpreter takes them (fwd._fuses_output, with fwd._INTERPRET as on either)."""
+    interpreter takes them (fwd._fused_output_launch, with fwd._INTERPRET as on either)."""
     from kda_op.triton_kernels import fwd, settings
 
     _fused_scan_at_small_sizes(monkeypatch)
@@ -653,7 +653,7 @@ def test_fused_scan_never_takes_v_blocks_below_its_device_floor(monkeypatch):
         monkeypatch.setattr(fwd, "_INTERPRET", not on_device)
         s = fwd._sizes(q, v, has_initial_state=False)
         assert s["BV_SCAN_FWD"] == bv
-        assert fwd._fuses_output(s, {"w": q}) == fused, (bv, on_device)
+        assert (fwd._fused_output_launch(s, {"w": q}) is not None) == fused, (bv, on_device)
 
 
 def test_fused_scan_takes_the_one_wave_launch_only_where_set(monkeypatch):

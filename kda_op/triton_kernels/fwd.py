@@ -353,11 +353,12 @@ def kda_fwd_triton(
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     kept_up = keep_intermediates and NC > 0 and T > 0
-    if NC > 0 and T > 0 and _fuses_output(s, x):
+    launch = _fused_output_launch(s, x) if NC > 0 and T > 0 else None
+    if launch is not None:
         # the scan writes the output (settings.FUSED_OUTPUT): U' and the chunk states only where kept
         with _range("kda_op::fwd::state_scan_output"):
             _state_output_fwd(x, h0, kept["up"] if kept_up else None, chunk_states if keep_chunk_states else None,
-                              ht if output_final_state else None, o, s, prec, traced=False)
+                              ht if output_final_state else None, o, s, prec, launch, traced=False)
         return o, ht, chunk_states, intermediates
     # the scan and the output kernel pass the chunk states through memory: a buffer of
     # this call's own where the caller keeps none
@@ -436,11 +437,6 @@ def _fused_output_launch(s: dict, x: dict) -> Optional[tuple[int, int]]:
     return None
 
 
-def _fuses_output(s: dict, x: dict) -> bool:
-    """Whether the forward scan writes the output itself (_fused_output_launch)."""
-    return _fused_output_launch(s, x) is not None
-
-
 def _stand_in(tensor: Tensor, traced: bool) -> Tensor:
     """What a launch passes for a pointer its kernel will not touch (an absent h0, ht, slots,
     ...): ``tensor`` itself, or under tracing a one-element tensor of its own. Functionalised,
@@ -453,7 +449,7 @@ def _stand_in(tensor: Tensor, traced: bool) -> Tensor:
 
 
 def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk_states: Optional[Tensor],
-                      ht: Optional[Tensor], o: Tensor, s: dict, prec: str, traced: bool,
+                      ht: Optional[Tensor], o: Tensor, s: dict, prec: str, launch: tuple[int, int], traced: bool,
                       slots: Optional[Tensor] = None, v_first: bool = False) -> None:
     """Stages 2 and 3 in one launch (state_output_fwd.py): the scan over chunks
     writing ``o``, and where given (not None) U' into ``up``, the chunk states into
@@ -463,7 +459,7 @@ def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk
     zeros."""
     T, HV, K, V, NC = s["T"], s["HV"], s["K"], s["V"], s["NC"]
     store_states = chunk_states is not None
-    warps, stages = _fused_output_launch(s, x)  # the callers checked _fuses_output
+    warps, stages = launch  # _fused_output_launch's
     _kernel(kda_state_output_fwd_kernel, traced)[(_cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
         x["kr"], x["w"], x["u"], x["gam"], x["qg"], x["aqk"], _stand_in(o, traced) if h0 is None else h0,
         _stand_in(o, traced) if up is None else up,
@@ -554,8 +550,10 @@ def kda_chunk_pool_triton(
     prec = _dot_precision(q.dtype)
     if NC > 0 and T > 0:
         x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, gate=gate)
-        if _fuses_output(s, x):  # neither chunk states nor U' (settings.FUSED_OUTPUT)
-            _state_output_fwd(x, pool, None, None, pool, o, s, prec, traced=False, slots=slots, v_first=state_v_first)
+        launch = _fused_output_launch(s, x)
+        if launch is not None:  # neither chunk states nor U' (settings.FUSED_OUTPUT)
+            _state_output_fwd(x, pool, None, None, pool, o, s, prec, launch, traced=False, slots=slots,
+                              v_first=state_v_first)
             return o
     else:  # T == 0: the scan only passes the initial states through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
@@ -592,8 +590,9 @@ def kda_fwd_triton_export(
     ht = torch.empty(s["NSEQ"], HV, K, V, **f32)
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, traced=True, gate=gate)
-    if _fuses_output(s, x):  # the scan writes the output (settings.FUSED_OUTPUT)
-        _state_output_fwd(x, h0, None, chunk_states, ht, o, s, prec, traced=True)
+    launch = _fused_output_launch(s, x)
+    if launch is not None:  # the scan writes the output (settings.FUSED_OUTPUT)
+        _state_output_fwd(x, h0, None, chunk_states, ht, o, s, prec, launch, traced=True)
         return o, ht, chunk_states
     up = torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
     _state_scan_fwd(x, h0, up, chunk_states, ht, s, prec, traced=True)

@@ -590,7 +590,7 @@ OUTPUT_WARPS = 4
 FUSED_OUTPUT = 1
 FUSED_OUTPUT_MIN_BV = 64
 FUSED_OUTPUT_MIN_PROGRAMS_PER_SM = 1
-# On bf16 operands with K <= 128 only (fwd._fuses_output). Its warps (None: the forward
+# On bf16 operands with K <= 128 only (fwd._fused_output_launch). Its warps (None: the forward
 # scan's) and pipeline stages. Compiled for sm_90a (Triton 3.6, bf16, K = V = 128, V block
 # 64): four warps at one stage take 255 registers and 72 KB of shared memory, so two CTAs an
 # SM (B8-T8192-H16's 256 programs in one wave); eight warps 251 registers (one CTA), two
@@ -609,7 +609,8 @@ FUSED_OUTPUT_STAGES = 1
 # 64, the forward that keeps nothing): eight warps and two stages take 255 registers, no
 # spills, 144 KB of shared memory; the loop 640 instructions a warp (816 at four warps, one
 # stage), 12 global loads in it (50: the rest are async copies now). At B2 it would drop the
-# chunk states' and U''s round trips through memory (about 0.4 GB of the forward's ~3.3).
+# chunk states' and U''s round trips through memory (roofline.kernel_costs: the fused scan
+# 1.15 GB against the scan and output's 1.55, of the forward's ~3.4).
 # Built 2026-12-06 without a device (no GPU time was left to this session): 0 until timed
 # (VARIANTS="FUSED_OUTPUT_ONE_WAVE=1" at B2-T8192-H8-HV32) and its fused-scan tests run
 # under it on a GPU (KDA_TEST_SETTINGS="FUSED_OUTPUT_ONE_WAVE=1"; the tests' shapes are one
