@@ -636,6 +636,11 @@ def test_triton_scan_loads_ahead_give_the_bits_of_loads_in_place(packed, dtype, 
 # The fused forward scan's V block in its tests: 32 under the interpreter (two blocks of V =
 # 40, the second partial), 64 on a GPU, its floor there (fwd._FUSED_OUTPUT_DEVICE_MIN_BV).
 FUSED_SCAN_BV = 32 if DEVICE == "cpu" else 64
+# The fused scan's two launches (fwd._fused_output_launch): "one_wave" where its programs are
+# one wave or fewer (the tests' few programs; settings.FUSED_OUTPUT_ONE_WAVE), "many" where they
+# outnumber the SMs (forced here: FUSED_OUTPUT_MIN_PROGRAMS_PER_SM = 0). Their warps and stages
+# differ, which matters on a GPU only: the interpreter runs one.
+FUSED_SCAN_LAUNCHES = ["one_wave"] if DEVICE == "cpu" else ["one_wave", "many"]
 
 
 def test_fused_scan_never_takes_v_blocks_below_its_device_floor(monkeypatch):
@@ -705,12 +710,14 @@ def _bf16_scan_problem(packed, with_h0, lengths, seed_decay):
     return (q, k, v, g, beta), h0, cu, cu_d, args
 
 
+@pytest.mark.parametrize("launch", FUSED_SCAN_LAUNCHES)
 @pytest.mark.parametrize("packed,with_h0,keep", [
     (False, True, True),  # the loop from the first chunk; U' kept
     (False, False, False),  # the first chunk out of the loop (no S0)
     (True, False, True),  # packed, compact chunk states, U' kept; the state pool's prefill
 ])
-def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packed, with_h0, keep, monkeypatch):
+def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packed, with_h0, keep, launch,
+                                                                           monkeypatch):
     """settings.FUSED_OUTPUT: the forward scan that writes the output itself
     (state_output_fwd.py) gives bitwise the output, final states, chunk states and kept
     intermediates of the scan followed by the output kernel (on equal V blocks: the dots'
@@ -720,11 +727,14 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
     FUSED_OUTPUT_MIN_BV, and on fp32 inputs, the scan and the output kernel run as before."""
     from kda_op.triton_kernels import fwd, settings
 
-    _fused_scan_at_small_sizes(monkeypatch)  # FUSED_OUTPUT is set below, each way in turn
+    _fused_scan_at_small_sizes(monkeypatch, launch)  # FUSED_OUTPUT is set below, each way in turn
     monkeypatch.setattr(settings, "BV_OUTPUT", FUSED_SCAN_BV)  # the scan's V block = the output's
-    launches = []
-    for name in ("kda_state_output_fwd_kernel", "kda_output_fwd_kernel", "kda_state_fwd_kernel"):
+    launches, fused_configs = [], set()
+    for name in ("kda_output_fwd_kernel", "kda_state_fwd_kernel"):
         _on_launch(monkeypatch, fwd, name, lambda kw, name=name: launches.append(name))
+    _on_launch(monkeypatch, fwd, "kda_state_output_fwd_kernel",
+               lambda kw: (launches.append("kda_state_output_fwd_kernel"),
+                           fused_configs.add((kw["num_warps"], kw["num_stages"]))))
     fused_launch, unfused_launches = ["kda_state_output_fwd_kernel"], ["kda_state_fwd_kernel", "kda_output_fwd_kernel"]
     (q, k, v, g, beta), h0, cu, cu_d, args = _bf16_scan_problem(packed, with_h0, [20, 130, 0, 64, 65, 1],
                                                                 (91, 0.3) if packed else (93, None))
@@ -736,6 +746,11 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
         assert launches == (fused_launch if fused else unfused_launches), launches
     for name, unfused, scan_output in zip(("o", "final state", "chunk states", "kept"), *results):
         assert torch.equal(_bytes(unfused), _bytes(scan_output)), name
+    # the launch asked for, at its warps and stages
+    if launch == "one_wave" and settings.FUSED_OUTPUT_ONE_WAVE:
+        assert fused_configs == {(settings.FUSED_OUTPUT_ONE_WAVE_WARPS, settings.FUSED_OUTPUT_ONE_WAVE_STAGES)}
+    else:
+        assert {stages for _, stages in fused_configs} == {settings.FUSED_OUTPUT_STAGES}, fused_configs
     # keep_chunk_states=False (a forward without grad): the same o and final states, no
     # chunk states, stored nowhere (fused) or in a buffer of the call's own
     no_grad = []
@@ -837,18 +852,18 @@ def test_triton_scan_writing_the_output_loads_gam_ahead_to_the_same_bits(packed,
     assert (results[1][0].cpu().float() - want).norm() <= 1e-2 * want.norm()
 
 
-def _fused_scan_at_small_sizes(monkeypatch) -> None:
+def _fused_scan_at_small_sizes(monkeypatch, launch: str = "one_wave") -> None:
     """The forward scan that writes the output, on at the tests' few programs and V blocks of
-    FUSED_SCAN_BV (settings.FUSED_OUTPUT and its floors)."""
+    FUSED_SCAN_BV (settings.FUSED_OUTPUT and its floors), at ``launch`` (FUSED_SCAN_LAUNCHES;
+    "one_wave" is "many" where settings.FUSED_OUTPUT_ONE_WAVE is off)."""
     from kda_op.triton_kernels import settings
 
+    assert launch in ("one_wave", "many"), launch
     monkeypatch.setattr(settings, "BV_SCAN", FUSED_SCAN_BV)
     monkeypatch.setattr(settings, "FUSED_OUTPUT", 1)
     monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_BV", FUSED_SCAN_BV)
-    if not settings.FUSED_OUTPUT_ONE_WAVE:
+    if launch == "many" or not settings.FUSED_OUTPUT_ONE_WAVE:
         monkeypatch.setattr(settings, "FUSED_OUTPUT_MIN_PROGRAMS_PER_SM", 0)
-    # else (KDA_TEST_SETTINGS="FUSED_OUTPUT_ONE_WAVE=1"): the tests' few programs take the
-    # one-wave launch, its warps and stages
 
 
 @pytest.mark.parametrize("ahead", [0, 1])

@@ -611,12 +611,16 @@ FUSED_OUTPUT_STAGES = 1
 # stage), 12 global loads in it (50: the rest are async copies now). At B2 it would drop the
 # chunk states' and U''s round trips through memory (roofline.kernel_costs: the fused scan
 # 1.15 GB against the scan and output's 1.55, of the forward's ~3.4).
-# Built 2026-12-06 without a device (no GPU time was left to this session): 0 until timed
-# (VARIANTS="FUSED_OUTPUT_ONE_WAVE=1" at B2-T8192-H8-HV32) and its fused-scan tests run
-# under it on a GPU (KDA_TEST_SETTINGS="FUSED_OUTPUT_ONE_WAVE=1"; the tests' shapes are one
-# wave).
-FUSED_OUTPUT_ONE_WAVE = 0
-FUSED_OUTPUT_ONE_WAVE_WARPS = 8
+# Timed 2026-12-06 (thirty-ninth session, H100, ours alone, kernels by GPU time,
+# benchmarks/NOTES.md): at B2-T8192-H8-HV32 the fused scan at four warps and two stages took
+# 0.436 ms against the scan then the output's 0.331 + 0.244; the forward 1.420 -> 1.282 ms
+# (eight warps and two stages: 0.471, forward 1.317; eight warps and one stage: 0.584, no
+# gain), the step 6.617 -> 6.544 (its kept forward fused at 0.505). B8 and B1-T32768 do not
+# take it (B8: 256 programs; B1: V blocks of 32) and did not change. Four warps and two
+# stages at sm_90a (Triton 3.6, bf16, K = V = 128, V block 64): 254-255 registers, 0-8 B of
+# spills, 144-152 KB of shared memory.
+FUSED_OUTPUT_ONE_WAVE = 1
+FUSED_OUTPUT_ONE_WAVE_WARPS = 4
 FUSED_OUTPUT_ONE_WAVE_STAGES = 2
 # The fused scan's chunk-ahead load of gam's last row (1; SCAN_GLAST_AHEAD's for this
 # kernel). In its sm_90a SASS (Triton 3.6, bf16, K = V = 128, V block 64) that load, left
