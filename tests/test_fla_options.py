@@ -372,6 +372,81 @@ def test_triton_gate_matches_reference(T, gate, steep_a, monkeypatch):
         assert flags.any() and not flags.all()  # both launches of intra_bwd_a ran
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_triton_row_programs_hand_kb_to_wu(packed, monkeypatch):
+    """settings.INTRA_A_ROWS_KBG: with fla's bounded gate (every chunk by row programs,
+    intra_a_fwd_rows.py) in a forward that keeps nothing on bf16 inputs, the row programs
+    store Kb for intra_wu_fwd's W (KBG and KBG_IN at the launches). The output differs from
+    the one without it (Kb rounded to bf16 before W's dot, as with gam on chip; W's dot on
+    fp32 operands, settings.WU_BF16_DOTS = 0), and its errors against the reference, o's and
+    the final state's, stay within a quarter more than those without. A
+    kept forward (the backward reads W) and fp32 inputs do not take it; a value other than
+    0 or 1 is refused. Packed: an empty and a one-token sequence among them."""
+    device = _triton_or_skip()
+    from kda_op.ops import _reference_fwd
+    from kda_op.triton_kernels import fwd, kda_fwd_triton, settings
+
+    monkeypatch.setattr(settings, "INTRA_A_ROW_PROGRAMS", 1)
+    monkeypatch.setattr(settings, "INTRA_A_BLOCK_REFS", 1)
+    lengths = [20, 130, 0, 1, 64] if packed else None
+    B, T = (1, sum(lengths)) if packed else (2, 2 * CHUNK_SIZE + 19)
+    x = _raw_inputs(B=B, T=T, H=2, G=2, K=32, V=32, seed=15, dtype=torch.float32, with_h0=not packed)
+    x["k"] = F.normalize(x["k"], dim=-1)
+    x["beta"] = torch.sigmoid(x["beta"])
+    # weak decays (log decays near -0.01, lower_bound * sigmoid of about -6), so that each
+    # chunk's state, and with it W, reaches the later chunks' outputs
+    x["g"] = x["g"] - 6.0
+    cu = torch.tensor([0] + lengths).cumsum(0) if packed else None
+    bf16 = {n: (x[n].to(torch.bfloat16) if n in ("q", "k", "v", "beta") else x[n]) for n in x}
+    args = [bf16[n].to(device) for n in ("q", "k", "v", "g", "beta")]
+    h0 = None if packed else x["initial_state"].to(device)
+    gate = (x["A_log"].to(device), x["dt_bias"].to(device), -5.0)
+    cu_d = cu.to(device) if packed else None
+    flags = []
+
+    def record(name, key):
+        kernel = getattr(fwd, name)
+
+        class Recording:
+            def __getitem__(self, grid):
+                def launch(*a, **kw):
+                    flags.append((name, kw[key]))
+                    return kernel[grid](*a, **kw)
+                return launch
+
+        monkeypatch.setattr(fwd, name, Recording())
+
+    record("kda_intra_a_fwd_rows_kernel", "KBG")
+    record("kda_intra_wu_fwd_kernel", "KBG_IN")
+    results = []
+    for on in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_A_ROWS_KBG", on)
+        flags.clear()
+        o, ht, _, _ = kda_fwd_triton(*args, None, h0, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
+        assert flags and all(flag == bool(on) for _, flag in flags), flags
+        assert {name for name, _ in flags} == {"kda_intra_a_fwd_rows_kernel", "kda_intra_wu_fwd_kernel"}
+        results.append((o, ht))
+    # Kb stored in bf16 (2^-9 relative) where intra_wu_fwd formed it in fp32 (WU_BF16_DOTS = 0),
+    # the tolerance of the same rounding with gam on chip (test_triton_kernels.py)
+    assert not torch.equal(results[1][0], results[0][0]) or settings.WU_BF16_DOTS  # Kb did go through bf16
+    # bf16 operands (2^-9 relative each) against the fp32 reference on the same inputs
+    want = _reference_fwd(*(bf16[n].float() for n in ("q", "k", "v", "g", "beta")), None,
+                          None if packed else x["initial_state"], (x["A_log"], x["dt_bias"], -5.0), cu)[:2]
+    errors = [[((got.cpu().float() - ref).norm() / ref.norm()).item() for got, ref in zip(r, want)] for r in results]
+    for without, with_kb in zip(*errors):
+        assert with_kb <= 1e-2 and without <= 1e-2
+        # Kb's rounding adds at most a quarter of the error already there
+        assert with_kb <= 1.25 * without, errors
+    # a kept forward, and fp32 inputs: W from K and gam
+    for kept, inputs in ((True, args), (False, [t.float() for t in args])):
+        flags.clear()
+        kda_fwd_triton(*inputs, None, h0, keep_intermediates=kept, gate=gate, cu_seqlens=cu_d)
+        assert flags and not any(flag for _, flag in flags), (kept, flags)
+    monkeypatch.setattr(settings, "INTRA_A_ROWS_KBG", 2)
+    with pytest.raises(ValueError, match="INTRA_A_ROWS_KBG"):
+        kda_fwd_triton(*args, None, h0, gate=gate, cu_seqlens=cu_d)
+
+
 @pytest.mark.parametrize("l2norm,beta_scale,G", [(True, 1.0, 3), (True, 0.0, 1), (False, 2.0, 2), (True, 2.0, 4)])
 def test_triton_prep_matches_reference(l2norm, beta_scale, G):
     device = _triton_or_skip()

@@ -117,20 +117,24 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # (settings.INTRA_A_GAM_ON_CHIP): where nothing is kept and there is no gate to apply
     on_chip = _gam_on_chip_serves(store_tm, gate, short_tiles, q.dtype)
     gam_kernel = (bool(S.INTRA_GAM_KERNEL) or gate is not None) and not on_chip
-    # Kb goes into W's buffer, which intra_wu_fwd overwrites with W = Tm Kb in place (each
-    # program reads its chunk's rows of a K slice of Kb before it writes W's there), so gam on
-    # chip costs no memory; traced, a buffer of its own (a launch passes no tensor twice: see
-    # _stand_in)
-    if on_chip:
-        kbg = torch.empty_like(w) if traced else w
-    else:
-        kbg = _stand_in(w, traced)
-    NKB = _cdiv(K, S.BKG)
     ga = _gate_args(gate, g)
     # gam_fwd's spreads of each chunk (per K block), for intra_a_fwd's choice of path,
     # unless fla's gate makes every log decay <= 0 (the softplus form, or lower_bound
     # <= 0): intra_a_fwd then reads them off rows of gam (settings.GAM_ROW_SPREADS)
     row_spreads = bool(S.GAM_ROW_SPREADS) and (ga["GATE"] == 1 or (ga["GATE"] == 2 and ga["lower_bound"] <= 0))
+    a_rows = _a_row_programs_serve(ga, row_spreads)
+    # the row programs hand Kb to intra_wu_fwd as intra_a_fwd does with gam on chip
+    # (settings.INTRA_A_ROWS_KBG)
+    rows_kbg = a_rows and _rows_kbg_serves(store_tm, q.dtype)
+    # Kb goes into W's buffer, which intra_wu_fwd overwrites with W = Tm Kb in place (each
+    # program reads its chunk's rows of a K slice of Kb before it writes W's there), so gam on
+    # chip costs no memory; traced, a buffer of its own (a launch passes no tensor twice: see
+    # _stand_in)
+    if on_chip or rows_kbg:
+        kbg = torch.empty_like(w) if traced else w
+    else:
+        kbg = _stand_in(w, traced)
+    NKB = _cdiv(K, S.BKG)
     spreads = torch.empty(B * NC * HV * NKB * 2, **f32) if gam_kernel and not row_spreads else _stand_in(gam, traced)
     if gam_kernel:
         _kernel(kda_gam_fwd_kernel, traced)[(NC, B * HV, NKB)](
@@ -140,15 +144,14 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         )
     tile = S.SHORT_TILE if (short_tiles and gam_kernel) else 0
     tilings = _tilings(tile)
-    a_rows = _a_row_programs_serve(ga, row_spreads)
     if a_rows:
         # one program per 16-row block (intra_a_fwd_rows.py): a short chunk's blocks past
         # its rows return at once, so no tiles
         _kernel(kda_intra_a_fwd_rows_kernel, traced)[(BT // BC, NC, B * HV)](
             q, k, gam, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BC=BC,
             BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
-            QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(), num_warps=S.INTRA_A_ROWS_WARPS,
-            num_stages=S.INTRA_A_ROWS_STAGES,
+            QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(), beta=beta, kbg=kbg, KBG=rows_kbg,
+            num_warps=S.INTRA_A_ROWS_WARPS, num_stages=S.INTRA_A_ROWS_STAGES,
             **(dict(maxnreg=S.INTRA_A_ROWS_MAXNREG) if S.INTRA_A_ROWS_MAXNREG else {}),
         )
     if S.INTRA_A_SPREAD_TILE not in (0, 1, 2):  # the kernel would read any other value as 1
@@ -186,9 +189,20 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             W_FIRST=w_first, FAST_EXP=_fast_exp(), **tiling, steep=_stand_in(steep, traced), ONLY_STEEP=False,
-            kbg=kbg, KBG_IN=on_chip, num_warps=wu_warps, **(dict(maxnreg=wu_cap) if wu_cap else {}),
+            kbg=kbg, KBG_IN=on_chip or rows_kbg, num_warps=wu_warps, **(dict(maxnreg=wu_cap) if wu_cap else {}),
         )
     return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
+
+
+def _rows_kbg_serves(store_tm: bool, input_dtype: torch.dtype) -> bool:
+    """Whether the row programs (intra_a_fwd_rows.py), where they form the A's, also store
+    Kb = diag(beta) K exp(gam) for intra_wu_fwd's W, which then reads neither K nor gam
+    (settings.INTRA_A_ROWS_KBG): where nothing is kept (the backward recomputes W from K and
+    gam) and on bf16 inputs, whose Kb is bf16 in W's buffer (intra_wu_fwd overwrites it
+    with W in place), as for gam on chip."""
+    if S.INTRA_A_ROWS_KBG not in (0, 1):
+        raise ValueError(f"settings.INTRA_A_ROWS_KBG: expected 0 or 1, got {S.INTRA_A_ROWS_KBG!r}")
+    return bool(S.INTRA_A_ROWS_KBG) and not store_tm and input_dtype == torch.bfloat16
 
 
 def _gam_on_chip_serves(store_tm: bool, gate: Optional[tuple], short_tiles: bool, input_dtype: torch.dtype) -> bool:

@@ -22,6 +22,10 @@ gam) (Gam: the chunk's last gam) are written in the same pass over K, and block 
 program writes the chunk's steep flag as intra_a_fwd.py would (0 where the split at the
 middle row serves the backward, else 1: block references; never 2, the steep launch's).
 gam comes from gam_fwd.py.
+
+KBG (a forward that keeps nothing, bf16 inputs; settings.INTRA_A_ROWS_KBG): block b's rows
+of Kb = diag(beta) K exp(gam) are stored too, into ``kbg``, for intra_wu_fwd.py's W (its
+KBG_IN), which then reads neither K nor gam: as intra_a_fwd.py's KBG with gam on chip.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ def kda_intra_a_fwd_rows_kernel(
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr,
     DOT_PREC: tl.constexpr, MAX_SPLIT: tl.constexpr, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True,
-    FAST_EXP: tl.constexpr = False,
+    FAST_EXP: tl.constexpr = False, beta=None, kbg=None, KBG: tl.constexpr = False,
 ):
     # QG_FIRST / KR_LAST: as in intra_a_fwd.py (no Qg in a sequence's first chunk, no Kr
     # in its last, where nothing reads them). FAST_EXP: _math.exp without subnormals.
@@ -72,6 +76,9 @@ def kda_intra_a_fwd_rows_kernel(
     aqk += (bos * HV + i_hv) * BT
     qg += (bos * HV + i_hv) * K
     kr += (bos * HV + i_hv) * K
+    if KBG:
+        beta += bos * HV + i_hv
+        kbg += (bos * HV + i_hv) * K
     store_qg = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | QG_FIRST
     store_kr = (T > BT) | KR_LAST
     if i_blk == 0:
@@ -87,21 +94,22 @@ def kda_intra_a_fwd_rows_kernel(
             spread = tl.maximum(spread, tl.max(tl.maximum(b_first - b_mid, b_mid - b_last), 0))
         tl.store(steep + g_c * HV + i_hv, tl.where(spread <= MAX_SPLIT, 0, 1).to(tl.int32))
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BC,
-              DOT_PREC, INTERPRET, FAST_EXP)
+              DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG)
     elif i_blk == 1:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, 2 * BC,
-              DOT_PREC, INTERPRET, FAST_EXP)
+              DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG)
     else:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BT,
-              DOT_PREC, INTERPRET, FAST_EXP)
+              DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG)
 
 
 @triton.jit
 def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV,
           K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKA: tl.constexpr, CW: tl.constexpr,
-          DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr):
+          DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr,
+          beta=None, kbg=None, KBG: tl.constexpr = False):
     """Block ``i_blk``'s rows of the A's on [BC, CW] tiles (CW >= the block's end),
-    the columns from CW stored as zeros, and its rows of Qg and Kr. The pointers are
+    the columns from CW stored as zeros, and its rows of Qg, Kr and (KBG) Kb. The pointers are
     at the chunk's first row and this head; T the rows from there to the sequence's end."""
     o_i = i_blk * BC + tl.arange(0, BC)
     m_i = o_i < T
@@ -110,6 +118,8 @@ def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, H
     m_j = (o_j < T) & upto
     b_akk = tl.zeros([BC, CW], dtype=tl.float32)
     b_aqk = tl.zeros([BC, CW], dtype=tl.float32)
+    if KBG:
+        b_beta = tl.load(beta + o_i * HV, mask=m_i, other=0.0).to(tl.float32)
     for i_s in range(tl.cdiv(K, BKA)):
         o_k = i_s * BKA + tl.arange(0, BKA)
         m_k = o_k < K
@@ -125,6 +135,11 @@ def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, H
             b_gl = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
             tl.store(kr + p_ik, as_stored(b_ki * exp(b_gl[None, :] - b_gi, FAST_EXP), kr,
                                           INTERPRET).to(kr.dtype.element_ty), mask=m_ik)
+        if KBG:
+            # the product in intra_wu_fwd's order (beta, then K, then exp(gam)): the same fp32
+            # value, rounded to kbg's dtype here where W's bf16 dot rounds it there
+            b_kb = b_beta[:, None] * b_ki * exp(b_gi, FAST_EXP)
+            tl.store(kbg + p_ik, as_stored(b_kb, kbg, INTERPRET).to(kbg.dtype.element_ty), mask=m_ik)
         b_ei = exp(b_gi - b_gm[None, :], FAST_EXP)
         b_kj = tl.load(k + o_j[:, None] * (H * K) + o_k[None, :], mask=m_j[:, None] & m_k[None, :],
                        other=0.0).to(tl.float32)

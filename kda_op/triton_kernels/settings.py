@@ -363,6 +363,15 @@ INTRA_A_ROWS_MAXNREG = 128
 # 96 such rows a chunk instead of 176: slower on the H200 at every setting tried,
 # 2026-12-04, B2-T8192-H8-HV32 forward 1.559 -> 1.693 ms at four warps, 1.669 capped at
 # 128 registers, 1.888 at eight warps, 1.642 at two; removed, benchmarks/NOTES.md.)
+# 1: in a forward that keeps nothing on bf16 inputs (fla's layer flags at inference), the
+# row programs also store Kb = diag(beta) K exp(gam) into W's buffer for intra_wu_fwd's W
+# (fwd._rows_kbg_serves), as intra_a_fwd does with gam on chip: intra_wu_fwd then reads
+# neither K nor gam (fp32) nor forms exp(gam) again. At B2-T8192-H8-HV32 that is 0.27 GB of
+# gam and 0.03 GB of K (0.13 GB as loaded: four value heads a key head) read against 0.27 GB
+# of Kb written and read: little; at one value head a key head (B1-T8192-H16, packed rows)
+# 6 bytes an element read against 4. Built 2026-12-06
+# (thirty-ninth session): 0 until timed (B2 layer-style, ours alone) with its CUDA tests.
+INTRA_A_ROWS_KBG = 0
 # With INTRA_A_BLOCK_REFS, the steep launch not run where no chunk can need it (fwd._no_steep_launch:
 # fla's bounded gate with |lower_bound| <= 7.375, block references on), instead of
 # always (0). On the H200 (2026-12-01, same process, fla's layer flags, 2048 packed
