@@ -383,9 +383,17 @@ def main(argv: list[str] | None = None) -> int:
                               GLAST_AHEAD=bool(S.FUSED_OUTPUT_GLAST_AHEAD)),
                          S.FUSED_OUTPUT_WARPS or S.SCAN_FWD_WARPS or S.SCAN_WARPS, S.FUSED_OUTPUT_STAGES))
         # ... and both again where its programs are one wave or fewer, as FUSED_OUTPUT_ONE_WAVE
-        # launches them (settings.py; off until timed)
+        # launches them (settings.py; on since 2026-12-06)
         runs += [(fn, sig, const, S.FUSED_OUTPUT_ONE_WAVE_WARPS, S.FUSED_OUTPUT_ONE_WAVE_STAGES)
                  for fn, sig, const, _, _ in runs[-2:]]
+    if args.gate == 2 and args.dtype == "bf16":
+        # fla's bounded gate in a forward that keeps nothing (bf16): the row programs handing Kb
+        # to intra_wu_fwd (settings.INTRA_A_ROWS_KBG), then also forming gam from the raw gate
+        # (INTRA_A_ROWS_GAM_ON_CHIP); both off until timed, compiled here either way
+        rows_run = [r for r in runs if r[0] is intra_a_fwd_rows.kda_intra_a_fwd_rows_kernel][0]
+        runs.append((rows_run[0], dict(rows_run[1], beta=x, kbg=op), dict(rows_run[2], KBG=True), *rows_run[3:]))
+        runs.append((rows_run[0], dict(rows_run[1], beta=x, kbg=op, g=graw, **gate_sig),
+                     dict(rows_run[2], KBG=True, **gate, GAM_ON_CHIP=True), *rows_run[3:]))
     if S.INTRA_A_GAM_ON_CHIP and not args.gate and args.dtype == "bf16":
         # gam formed in intra_a_fwd and Kb handed to intra_wu_fwd (settings.INTRA_A_GAM_ON_CHIP,
         # bf16 inputs): as a forward that keeps nothing launches them

@@ -372,8 +372,9 @@ def test_triton_gate_matches_reference(T, gate, steep_a, monkeypatch):
         assert flags.any() and not flags.all()  # both launches of intra_bwd_a ran
 
 
+@pytest.mark.parametrize("on_chip", [0, 1])
 @pytest.mark.parametrize("packed", [False, True])
-def test_triton_row_programs_hand_kb_to_wu(packed, monkeypatch):
+def test_triton_row_programs_hand_kb_to_wu(packed, on_chip, monkeypatch):
     """settings.INTRA_A_ROWS_KBG: with fla's bounded gate (every chunk by row programs,
     intra_a_fwd_rows.py) in a forward that keeps nothing on bf16 inputs, the row programs
     store Kb for intra_wu_fwd's W (KBG and KBG_IN at the launches). The output differs from
@@ -381,7 +382,10 @@ def test_triton_row_programs_hand_kb_to_wu(packed, monkeypatch):
     fp32 operands, settings.WU_BF16_DOTS = 0), and its errors against the reference, o's and
     the final state's, stay within a quarter more than those without. A
     kept forward (the backward reads W) and fp32 inputs do not take it; a value other than
-    0 or 1 is refused. Packed: an empty and a one-token sequence among them."""
+    0 or 1 is refused. Packed: an empty and a one-token sequence among them.
+    ``on_chip`` (settings.INTRA_A_ROWS_GAM_ON_CHIP): the row programs form gam from the raw
+    gate themselves, gam_fwd does not run; the same steep flags and chunks' last rows of gam
+    as gam_fwd's (the same cumsum: fp32 rounding of another scan order on a GPU)."""
     device = _triton_or_skip()
     from kda_op.ops import _reference_fwd
     from kda_op.triton_kernels import fwd, kda_fwd_triton, settings
@@ -418,14 +422,29 @@ def test_triton_row_programs_hand_kb_to_wu(packed, monkeypatch):
 
     record("kda_intra_a_fwd_rows_kernel", "KBG")
     record("kda_intra_wu_fwd_kernel", "KBG_IN")
+    record("kda_gam_fwd_kernel", "GATE")
+    monkeypatch.setattr(settings, "INTRA_A_ROWS_GAM_ON_CHIP", on_chip)
     results = []
     for on in (0, 1):
         monkeypatch.setattr(settings, "INTRA_A_ROWS_KBG", on)
         flags.clear()
         o, ht, _, _ = kda_fwd_triton(*args, None, h0, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
-        assert flags and all(flag == bool(on) for _, flag in flags), flags
-        assert {name for name, _ in flags} == {"kda_intra_a_fwd_rows_kernel", "kda_intra_wu_fwd_kernel"}
+        assert flags and all(bool(flag) == bool(on) for name, flag in flags if name != "kda_gam_fwd_kernel"), flags
+        kernels = {"kda_intra_a_fwd_rows_kernel", "kda_intra_wu_fwd_kernel"}
+        assert {name for name, _ in flags} == (kernels if on and on_chip else kernels | {"kda_gam_fwd_kernel"})
         results.append((o, ht))
+    if on_chip:  # the steep flags and the scans' rows of gam, against gam_fwd's
+        from kda_op.triton_kernels._host import _sizes
+
+        intra = []
+        for rows_on_chip in (0, 1):
+            monkeypatch.setattr(settings, "INTRA_A_ROWS_GAM_ON_CHIP", rows_on_chip)
+            s = _sizes(args[0], args[2], cu_seqlens=cu_d, has_initial_state=h0 is not None)
+            intra.append(fwd._intra_fwd(*args, 32 ** -0.5, s, store_tm=False, gate=gate))
+        assert torch.equal(intra[0]["steep"], intra[1]["steep"])
+        last = _last_rows_of_gam(intra[0]["gam"], lengths if packed else [T] * B)
+        got = _last_rows_of_gam(intra[1]["gam"], lengths if packed else [T] * B)
+        torch.testing.assert_close(got, last, rtol=1e-6, atol=1e-5)  # cumsums of up to 64 terms near -0.01
     # Kb stored in bf16 (2^-9 relative) where intra_wu_fwd formed it in fp32 (WU_BF16_DOTS = 0),
     # the tolerance of the same rounding with gam on chip (test_triton_kernels.py)
     assert not torch.equal(results[1][0], results[0][0]) or settings.WU_BF16_DOTS  # Kb did go through bf16
@@ -441,10 +460,22 @@ def test_triton_row_programs_hand_kb_to_wu(packed, monkeypatch):
     for kept, inputs in ((True, args), (False, [t.float() for t in args])):
         flags.clear()
         kda_fwd_triton(*inputs, None, h0, keep_intermediates=kept, gate=gate, cu_seqlens=cu_d)
-        assert flags and not any(flag for _, flag in flags), (kept, flags)
+        assert ("kda_gam_fwd_kernel", 2) in flags, (kept, flags)  # gam through memory
+        assert not any(flag for name, flag in flags if name != "kda_gam_fwd_kernel"), (kept, flags)
     monkeypatch.setattr(settings, "INTRA_A_ROWS_KBG", 2)
     with pytest.raises(ValueError, match="INTRA_A_ROWS_KBG"):
         kda_fwd_triton(*args, None, h0, gate=gate, cu_seqlens=cu_d)
+
+
+def _last_rows_of_gam(gam, lengths):
+    """Each chunk's last row of gam [B, T, HV, K] (packed: B = 1, sequences of ``lengths``),
+    the rows the scans read: a chunk's row BT - 1, or its sequence's last row."""
+    rows = []
+    for n, (bos, length) in enumerate(zip(torch.tensor([0] + lengths).cumsum(0).tolist(), lengths)):
+        b, start = (0, bos) if gam.shape[0] == 1 else (n, 0)
+        for c in range(0, length, CHUNK_SIZE):
+            rows.append(gam[b, start + min(c + CHUNK_SIZE, length) - 1].cpu())
+    return torch.stack(rows)
 
 
 @pytest.mark.parametrize("l2norm,beta_scale,G", [(True, 1.0, 3), (True, 0.0, 1), (False, 2.0, 2), (True, 2.0, 4)])

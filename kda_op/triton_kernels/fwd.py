@@ -126,6 +126,10 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # the row programs hand Kb to intra_wu_fwd as intra_a_fwd does with gam on chip
     # (settings.INTRA_A_ROWS_KBG)
     rows_kbg = a_rows and _rows_kbg_serves(store_tm, q.dtype)
+    # ... and form gam themselves from the raw gate, so that gam_fwd does not run
+    # (settings.INTRA_A_ROWS_GAM_ON_CHIP)
+    rows_on_chip = rows_kbg and _rows_gam_on_chip_serves()
+    gam_kernel = gam_kernel and not rows_on_chip
     # Kb goes into W's buffer, which intra_wu_fwd overwrites with W = Tm Kb in place (each
     # program reads its chunk's rows of a K slice of Kb before it writes W's there), so gam on
     # chip costs no memory; traced, a buffer of its own (a launch passes no tensor twice: see
@@ -142,7 +146,9 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             K=K, BT=BT, BKG=S.BKG, GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
             IS_VARLEN=s["IS_VARLEN"], BC=BC, SPREADS=not row_spreads, num_warps=S.GAM_WARPS,
         )
-    tile = S.SHORT_TILE if (short_tiles and gam_kernel) else 0
+    # intra_wu_fwd's tiles of short chunks also where the row programs form gam (handed Kb,
+    # it reads no gam)
+    tile = S.SHORT_TILE if (short_tiles and (gam_kernel or rows_on_chip)) else 0
     tilings = _tilings(tile)
     if a_rows:
         # one program per 16-row block (intra_a_fwd_rows.py): a short chunk's blocks past
@@ -151,6 +157,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             q, k, gam, akk, aqk, steep, qg, kr, *s["VL_CHUNK"], scale, T, NC, H=s["H"], HV=HV, K=K, BT=BT, BC=BC,
             BKA=S.INTRA_A_ROWS_BK, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             QG_FIRST=qg_first, KR_LAST=kr_last, FAST_EXP=_fast_exp(), beta=beta, kbg=kbg, KBG=rows_kbg,
+            g=g, A_log=ga["A_log"], dt_bias=ga["dt_bias"], lower_bound=ga["lower_bound"], GATE=ga["GATE"],
+            HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], GAM_ON_CHIP=rows_on_chip,
             num_warps=S.INTRA_A_ROWS_WARPS, num_stages=S.INTRA_A_ROWS_STAGES,
             **(dict(maxnreg=S.INTRA_A_ROWS_MAXNREG) if S.INTRA_A_ROWS_MAXNREG else {}),
         )
@@ -203,6 +211,15 @@ def _rows_kbg_serves(store_tm: bool, input_dtype: torch.dtype) -> bool:
     if S.INTRA_A_ROWS_KBG not in (0, 1):
         raise ValueError(f"settings.INTRA_A_ROWS_KBG: expected 0 or 1, got {S.INTRA_A_ROWS_KBG!r}")
     return bool(S.INTRA_A_ROWS_KBG) and not store_tm and input_dtype == torch.bfloat16
+
+
+def _rows_gam_on_chip_serves() -> bool:
+    """Whether the row programs, where they hand Kb on (_rows_kbg_serves), also form gam from
+    the raw gate themselves (settings.INTRA_A_ROWS_GAM_ON_CHIP): gam_fwd does not run, and of
+    gam only each chunk's last row is stored (the scans' decay)."""
+    if S.INTRA_A_ROWS_GAM_ON_CHIP not in (0, 1):
+        raise ValueError(f"settings.INTRA_A_ROWS_GAM_ON_CHIP: expected 0 or 1, got {S.INTRA_A_ROWS_GAM_ON_CHIP!r}")
+    return bool(S.INTRA_A_ROWS_GAM_ON_CHIP)
 
 
 def _gam_on_chip_serves(store_tm: bool, gate: Optional[tuple], short_tiles: bool, input_dtype: torch.dtype) -> bool:

@@ -372,6 +372,13 @@ INTRA_A_ROWS_MAXNREG = 128
 # 6 bytes an element read against 4. Built 2026-12-06
 # (thirty-ninth session): 0 until timed (B2 layer-style, ours alone) with its CUDA tests.
 INTRA_A_ROWS_KBG = 0
+# 1 (with INTRA_A_ROWS_KBG): the row programs also form gam from the raw gate themselves
+# (intra_a_fwd_rows.py's GAM_ON_CHIP), each program its chunk's whole gam a K slice at a
+# time, so that gam_fwd does not run and gam never goes through memory but each chunk's last
+# row (the scans' decay): at B2-T8192-H8-HV32 layer-style gam_fwd's 0.13 GB of raw gate read
+# and 0.27 GB of gam written, and the row programs' 0.27 GB of gam read (0.13 GB of raw gate
+# instead), are gone. Built 2026-12-06 (thirty-ninth session) without a device: 0 until timed.
+INTRA_A_ROWS_GAM_ON_CHIP = 0
 # With INTRA_A_BLOCK_REFS, the steep launch not run where no chunk can need it (fwd._no_steep_launch:
 # fla's bounded gate with |lower_bound| <= 7.375, block references on), instead of
 # always (0). On the H200 (2026-12-01, same process, fla's layer flags, 2048 packed
