@@ -1643,7 +1643,9 @@ def test_triton_akk_in_bf16_keeps_the_forward_at_its_bf16_error(problem, monkeyp
     monkeypatch.setattr(fwd, "_intra_fwd", recording)
     monkeypatch.setattr(settings, "INTRA_FUSED_FWD", 0)  # the separate launches, whose A_kk this is
     # gam through memory where nothing is kept too, so that the two forwards' bits compare
+    # (and, with fla's bounded gate, W from K and gam: no Kb from the row programs)
     monkeypatch.setattr(settings, "INTRA_A_GAM_ON_CHIP", 0)
+    monkeypatch.setattr(settings, "INTRA_A_ROWS_KBG", 0)
     gate = cu = None
     if problem == "packed_bounded_gate":
         # fla's bounded gate: intra_a_fwd_rows.py forms the A's (INTRA_A_ROW_PROGRAMS)
