@@ -191,8 +191,8 @@ def _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, H
             tl.store(kr + p_ik, as_stored(b_ki * exp(b_gl[None, :] - b_gi, FAST_EXP), kr,
                                           INTERPRET).to(kr.dtype.element_ty), mask=m_ik)
         if KBG:
-            # the product in intra_wu_fwd's order (beta, then K, then exp(gam)): the same fp32
-            # value, rounded to kbg's dtype here where W's bf16 dot rounds it there
+            # the product in intra_wu_fwd's order (beta, then K, then exp(gam)): the fp32 value
+            # it forms, stored in kbg's dtype (bf16), the one difference W's dot then sees
             b_kb = b_beta[:, None] * b_ki * exp(b_gi, FAST_EXP)
             tl.store(kbg + p_ik, as_stored(b_kb, kbg, INTERPRET).to(kbg.dtype.element_ty), mask=m_ik)
         b_ei = exp(b_gi - b_gm[None, :], FAST_EXP)
