@@ -406,23 +406,12 @@ def test_triton_row_programs_hand_kb_to_wu(packed, on_chip, monkeypatch):
     h0 = None if packed else x["initial_state"].to(device)
     gate = (x["A_log"].to(device), x["dt_bias"].to(device), -5.0)
     cu_d = cu.to(device) if packed else None
-    flags = []
+    from test_triton_kernels import _on_launch
 
-    def record(name, key):
-        kernel = getattr(fwd, name)
-
-        class Recording:
-            def __getitem__(self, grid):
-                def launch(*a, **kw):
-                    flags.append((name, kw[key]))
-                    return kernel[grid](*a, **kw)
-                return launch
-
-        monkeypatch.setattr(fwd, name, Recording())
-
-    record("kda_intra_a_fwd_rows_kernel", "KBG")
-    record("kda_intra_wu_fwd_kernel", "KBG_IN")
-    record("kda_gam_fwd_kernel", "GATE")
+    flags = []  # (kernel, its flag) at each launch
+    for name, key in (("kda_intra_a_fwd_rows_kernel", "KBG"), ("kda_intra_wu_fwd_kernel", "KBG_IN"),
+                      ("kda_gam_fwd_kernel", "GATE")):
+        _on_launch(monkeypatch, fwd, name, lambda kw, name=name, key=key: flags.append((name, kw[key])))
     monkeypatch.setattr(settings, "INTRA_A_ROWS_GAM_ON_CHIP", on_chip)
     results = []
     for on in (0, 1):

@@ -116,7 +116,6 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # gam formed inside intra_a_fwd and kept on chip, Kb handed to intra_wu_fwd instead
     # (settings.INTRA_A_GAM_ON_CHIP): where nothing is kept and there is no gate to apply
     on_chip = _gam_on_chip_serves(store_tm, gate, short_tiles, q.dtype)
-    gam_kernel = (bool(S.INTRA_GAM_KERNEL) or gate is not None) and not on_chip
     ga = _gate_args(gate, g)
     # gam_fwd's spreads of each chunk (per K block), for intra_a_fwd's choice of path,
     # unless fla's gate makes every log decay <= 0 (the softplus form, or lower_bound
@@ -129,7 +128,8 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # ... and form gam themselves from the raw gate, so that gam_fwd does not run
     # (settings.INTRA_A_ROWS_GAM_ON_CHIP)
     rows_on_chip = rows_kbg and _rows_gam_on_chip_serves()
-    gam_kernel = gam_kernel and not rows_on_chip
+    # gam through memory (gam_fwd.py) unless one of those forms it on chip
+    gam_kernel = (bool(S.INTRA_GAM_KERNEL) or gate is not None) and not on_chip and not rows_on_chip
     # Kb goes into W's buffer, which intra_wu_fwd overwrites with W = Tm Kb in place (each
     # program reads its chunk's rows of a K slice of Kb before it writes W's there), so gam on
     # chip costs no memory; traced, a buffer of its own (a launch passes no tensor twice: see

@@ -96,40 +96,30 @@ def kda_intra_a_fwd_rows_kernel(
     p_flag = steep + g_c * HV + i_hv
     store_qg = (chunk_in_sequence(i_c, chunk_index, IS_VARLEN) > 0) | QG_FIRST
     store_kr = (T > BT) | KR_LAST
-    if GAM_ON_CHIP:
-        # the flag from the chunk's gam on chip, in block 0's pass over K
-        if i_blk == 0:
-            _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BC,
-                  DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG, g, A_log, dt_bias, lower_bound, i_hv, p_flag, GATE,
-                  HAS_A, HAS_BIAS, True, True, MAX_SPLIT)
-        elif i_blk == 1:
-            _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, 2 * BC,
-                  DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG, g, A_log, dt_bias, lower_bound, i_hv, p_flag, GATE,
-                  HAS_A, HAS_BIAS, True, False, MAX_SPLIT)
-        else:
-            _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BT,
-                  DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG, g, A_log, dt_bias, lower_bound, i_hv, p_flag, GATE,
-                  HAS_A, HAS_BIAS, True, False, MAX_SPLIT)
-    elif i_blk == 0:
-        # the chunk's flag: gam falls down each column, so its spread from the middle
-        # row is largest at the first or last row (intra_a_fwd.py's ROW_SPREADS)
-        spread = tl.full([], 0.0, tl.float32)
-        for i_s in range(tl.cdiv(K, BKA)):
-            o_k = i_s * BKA + tl.arange(0, BKA)
-            m_k = o_k < K
-            b_first = tl.load(gam + o_k, mask=m_k, other=0.0)
-            b_mid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)
-            b_last = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
-            spread = tl.maximum(spread, tl.max(tl.maximum(b_first - b_mid, b_mid - b_last), 0))
-        tl.store(steep + g_c * HV + i_hv, tl.where(spread <= MAX_SPLIT, 0, 1).to(tl.int32))
+    if i_blk == 0:
+        if not GAM_ON_CHIP:  # (with GAM_ON_CHIP _rows forms the flag, FLAG)
+            # the chunk's flag: gam falls down each column, so its spread from the middle
+            # row is largest at the first or last row (intra_a_fwd.py's ROW_SPREADS)
+            spread = tl.full([], 0.0, tl.float32)
+            for i_s in range(tl.cdiv(K, BKA)):
+                o_k = i_s * BKA + tl.arange(0, BKA)
+                m_k = o_k < K
+                b_first = tl.load(gam + o_k, mask=m_k, other=0.0)
+                b_mid = tl.load(gam + gam_row(BT // 2, T) * (HV * K) + o_k, mask=m_k, other=0.0)
+                b_last = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_k, mask=m_k, other=0.0)
+                spread = tl.maximum(spread, tl.max(tl.maximum(b_first - b_mid, b_mid - b_last), 0))
+            tl.store(p_flag, tl.where(spread <= MAX_SPLIT, 0, 1).to(tl.int32))
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BC,
-              DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG)
+              DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG, g, A_log, dt_bias, lower_bound, i_hv, p_flag, GATE,
+              HAS_A, HAS_BIAS, GAM_ON_CHIP, GAM_ON_CHIP, MAX_SPLIT)
     elif i_blk == 1:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, 2 * BC,
-              DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG)
+              DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG, g, A_log, dt_bias, lower_bound, i_hv, p_flag, GATE,
+              HAS_A, HAS_BIAS, GAM_ON_CHIP, False, MAX_SPLIT)
     else:
         _rows(q, k, gam, akk, aqk, qg, kr, store_qg, store_kr, scale, T, i_blk, H, HV, K, BT, BC, BKA, BT,
-              DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG)
+              DOT_PREC, INTERPRET, FAST_EXP, beta, kbg, KBG, g, A_log, dt_bias, lower_bound, i_hv, p_flag, GATE,
+              HAS_A, HAS_BIAS, GAM_ON_CHIP, False, MAX_SPLIT)
 
 
 @triton.jit
