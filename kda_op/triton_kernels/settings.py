@@ -369,15 +369,23 @@ INTRA_A_ROWS_MAXNREG = 128
 # neither K nor gam (fp32) nor forms exp(gam) again. At B2-T8192-H8-HV32 that is 0.27 GB of
 # gam and 0.03 GB of K (0.13 GB as loaded: four value heads a key head) read against 0.27 GB
 # of Kb written and read: little; at one value head a key head (B1-T8192-H16, packed rows)
-# 6 bytes an element read against 4. Built 2026-12-06
-# (thirty-ninth session): 0 until timed (B2 layer-style, ours alone) with its CUDA tests.
-INTRA_A_ROWS_KBG = 0
+# 6 bytes an element read against 4. Built 2026-12-06 (thirty-ninth session). On an H100
+# (fortieth session): ours alone, kernels by GPU time at B2 layer-style, the row kernel
+# 0.541 -> 0.577 ms and intra_wu_fwd 0.374 -> 0.316 (the forward's kernels 1.578 -> 1.555);
+# beside fla in one process, the forward 1.615 -> 1.589 ms (0.87x -> 0.86x fla's 1.854), the
+# step unchanged (it keeps its intermediates: the setting does not apply); 2048 packed
+# sequences of 1-64 tokens 3.40 -> 3.28 ms. Its CUDA tests (the row, gate, packed and layer
+# cases of test_fla_options and test_triton_kernels, the hand-Kb test among them) passed.
+INTRA_A_ROWS_KBG = 1
 # 1 (with INTRA_A_ROWS_KBG): the row programs also form gam from the raw gate themselves
 # (intra_a_fwd_rows.py's GAM_ON_CHIP), each program its chunk's whole gam a K slice at a
 # time, so that gam_fwd does not run and gam never goes through memory but each chunk's last
 # row (the scans' decay): at B2-T8192-H8-HV32 layer-style gam_fwd's 0.13 GB of raw gate read
 # and 0.27 GB of gam written, and the row programs' 0.27 GB of gam read (0.13 GB of raw gate
-# instead), are gone. Built 2026-12-06 (thirty-ninth session) without a device: 0 until timed.
+# instead), are gone. Built 2026-12-06 (thirty-ninth session); timed on an H100 (fortieth
+# session, ours alone, kernels by GPU time): the row kernel 0.577 -> 2.231 ms at B2 layer-style
+# (its 64-row cumsum and row selections a K slice, 5,408 SASS instructions against 2,480),
+# the forward 1.569 -> 3.068 ms wall, 3.28 -> 7.63 ms at 2048 packed sequences: off.
 INTRA_A_ROWS_GAM_ON_CHIP = 0
 # With INTRA_A_BLOCK_REFS, the steep launch not run where no chunk can need it (fwd._no_steep_launch:
 # fla's bounded gate with |lower_bound| <= 7.375, block references on), instead of
