@@ -2572,3 +2572,58 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
                                        else 1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
         else:
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("case", ["fused_h0", "fused_lb_gate", "unfused"])
+def test_triton_forward_in_batch_pieces_gives_the_bits_of_the_whole_batch(case, monkeypatch):
+    """settings.FWD_BATCH_PIECES: a forward that keeps nothing, split into batch pieces (each
+    piece's intra-chunk stage, then its scan on a side stream on CUDA), gives the unsplit
+    forward's o, final state and chunk states bit for byte, at three batch rows in two
+    pieces (rows 0 | 1-2) and in more pieces than rows (three of one row). Cases: the scan
+    that writes the output with an initial state; the same without one, with fla's bounded
+    gate (the row programs, Kb handed on); the scan then the output kernel. A kept forward
+    does not split; a bad setting is refused."""
+    from kda_op.triton_kernels import fwd, settings
+
+    if case != "unfused":
+        _fused_scan_at_small_sizes(monkeypatch)
+    else:
+        monkeypatch.setattr(settings, "FUSED_OUTPUT", 0)
+    with_h0 = case == "fused_h0"
+    x = _inputs(3, 3 * CHUNK_SIZE - 20, 1, 2, 48, 40, with_h0, seed=141)
+    q, k, v, beta = (x[n].to(torch.bfloat16) for n in ("q", "k", "v", "beta"))
+    g, h0 = x["g"], x["initial_state"]
+    gate = None
+    if case == "fused_lb_gate":
+        gen = torch.Generator().manual_seed(142)
+        g = torch.randn(g.shape, generator=gen).to(DEVICE)  # the raw gate
+        gate = (torch.randn(2, generator=gen).to(DEVICE), torch.randn(2 * 48, generator=gen).to(DEVICE), -5.0)
+    args = (q, k, v, g, beta, None, h0)
+    pieces_seen = []
+    split = fwd._fwd_batch_pieces
+
+    def recording(*a, **kw):
+        pieces_seen.append(a[-1])
+        return split(*a, **kw)
+
+    monkeypatch.setattr(fwd, "_fwd_batch_pieces", recording)
+    results = {}
+    for pieces in (1, 2, 4):
+        monkeypatch.setattr(settings, "FWD_BATCH_PIECES", pieces)
+        o, ht, cs, _ = kda_fwd_triton(*args, gate=gate, output_final_state=True, keep_chunk_states=True)
+        results[pieces] = [_bytes(t) for t in (o, ht, cs)]
+    assert pieces_seen == [2, 3], pieces_seen  # 4 pieces of 3 rows: three
+    assert results[1][0].numel() > 0 and results[1][1].numel() > 0 and results[1][2].numel() > 0
+    for pieces in (2, 4):
+        for name, a, b in zip(("o", "final state", "chunk states"), results[1], results[pieces]):
+            assert torch.equal(a, b), (pieces, name)
+    # nothing kept beside o: the same o
+    o_only, _, _, _ = kda_fwd_triton(*args, gate=gate, output_final_state=False, keep_chunk_states=False)
+    assert torch.equal(_bytes(o_only), results[1][0])
+    # a forward that keeps its intermediates does not split
+    pieces_seen.clear()
+    kda_fwd_triton(*args, gate=gate, keep_intermediates=True)
+    assert pieces_seen == []
+    monkeypatch.setattr(settings, "FWD_BATCH_PIECES", 0)
+    with pytest.raises(ValueError, match="FWD_BATCH_PIECES"):
+        kda_fwd_triton(*args, gate=gate)

@@ -367,6 +367,12 @@ def kda_fwd_triton(
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     if s["NSEQ"] * HV == 0:
         return o, ht, chunk_states, intermediates
+    pieces = _batch_pieces(s, cu_seqlens, keep_intermediates)
+    if pieces > 1:
+        with _range("kda_op::fwd::batch_pieces"):
+            _fwd_batch_pieces(q, k, v, g, beta, scale, h0, gate, o, ht if output_final_state else None,
+                              chunk_states if keep_chunk_states else None, pieces)
+        return o, ht, chunk_states, intermediates
     prec = _dot_precision(q.dtype)
     # the forward forms nothing that nothing reads (settings.SKIP_UNREAD): a one-chunk
     # sequence's leaving state that nothing keeps; and where it keeps nothing, for
@@ -403,6 +409,90 @@ def kda_fwd_triton(
             _output_fwd(x, up, states, o, s, prec, traced=False, has_h0=h0 is not None,
                         first_from_u=first_from_u)
     return o, ht, chunk_states, intermediates
+
+
+def _batch_pieces(s: dict, cu_seqlens: Optional[Tensor], keep_intermediates: bool) -> int:
+    """Into how many batch pieces the chunked forward splits (settings.FWD_BATCH_PIECES):
+    1 (no split) where it keeps intermediates, on packed sequences, or where there is no
+    chunk; else at most the batch size."""
+    pieces = S.FWD_BATCH_PIECES
+    if not isinstance(pieces, int) or pieces < 1:
+        raise ValueError(f"settings.FWD_BATCH_PIECES: expected an int >= 1, got {pieces!r}")
+    if pieces == 1 or keep_intermediates or cu_seqlens is not None or s["NC"] == 0 or s["T"] == 0:
+        return 1
+    return min(pieces, s["B"])
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+    """The stream that runs the batch pieces' scans beside the intra-chunk stage (one a device)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
+    return _SIDE_STREAMS[index]
+
+
+def _fwd_batch_pieces(q, k, v, g, beta, scale: float, h0: Optional[Tensor], gate: Optional[tuple], o: Tensor,
+                      ht: Optional[Tensor], chunk_states: Optional[Tensor], pieces: int) -> None:
+    """A forward that keeps no intermediates, in ``pieces`` batch pieces (settings.
+    FWD_BATCH_PIECES): the intra-chunk stage of each piece on the caller's stream, and each
+    piece's scan (with the output) on a side stream once its piece's intra-chunk stage is
+    done, so that piece p's latency-bound scan runs beside piece p + 1's intra-chunk stage.
+    Each piece writes its batch rows of ``o``, ``ht`` and ``chunk_states`` (contiguous
+    slices): the values are those of the unsplit forward, bit for bit (no batch row reads
+    another's). Every piece's buffers stay referenced until the caller's stream has waited
+    for the side stream, so the allocator reuses none of them while a scan may read it.
+    On CPU tensors (the interpreter) the same launches run in order, without streams."""
+    B = q.shape[0]
+    bounds = [B * i // pieces for i in range(pieces + 1)]
+    cuda = q.is_cuda
+    main = torch.cuda.current_stream(q.device) if cuda else None
+    side = _side_stream(q.device) if cuda else None
+    kept = []
+    for b0, b1 in zip(bounds, bounds[1:]):
+        rows = slice(b0, b1)
+        qp, kp, vp, gp, bp = q[rows], k[rows], v[rows], g[rows], beta[rows]
+        h0p = None if h0 is None else h0[rows]
+        s = _sizes(qp, vp, cu_seqlens=None, has_initial_state=h0 is not None)
+        unread_skips = bool(S.SKIP_UNREAD)
+        x = _intra_fwd(qp, kp, vp, gp, bp, scale, s, store_tm=False, gate=gate,
+                       qg_first=not unread_skips or h0 is not None, w_first=True,
+                       kr_last=not unread_skips or not s["COMPACT_STATES"] or ht is not None)
+        kept.append(x)
+        if cuda:
+            ready = torch.cuda.Event()
+            ready.record(main)
+            side.wait_event(ready)
+            with torch.cuda.stream(side):
+                _scan_and_output(x, h0p, o[rows], None if ht is None else ht[rows],
+                                 None if chunk_states is None else chunk_states[rows], s, qp)
+        else:
+            _scan_and_output(x, h0p, o[rows], None if ht is None else ht[rows],
+                             None if chunk_states is None else chunk_states[rows], s, qp)
+    if cuda:
+        done = torch.cuda.Event()
+        done.record(side)
+        main.wait_event(done)
+    del kept
+
+
+def _scan_and_output(x: dict, h0: Optional[Tensor], o: Tensor, ht: Optional[Tensor],
+                     chunk_states: Optional[Tensor], s: dict, q: Tensor) -> None:
+    """The scan and the output of a fixed-length forward that keeps no intermediates, from
+    the intra-chunk stage's ``x``: fused where _fused_output_launch says, else the scan
+    into chunk states (``chunk_states``, or a buffer of its own) and the output kernel."""
+    prec = _dot_precision(q.dtype)
+    launch = _fused_output_launch(s, x)
+    if launch is not None:
+        _state_output_fwd(x, h0, None, chunk_states, ht, o, s, prec, launch, traced=False)
+        return
+    states = chunk_states if chunk_states is not None else _new_chunk_states(q, s)
+    up = torch.empty(s["B"], s["T"], s["HV"], s["V"], device=q.device, dtype=residual_dtype(q.dtype))
+    _state_scan_fwd(x, h0, up, states, ht, s, prec, traced=False, first_up=True,
+                    skip_unkept_state=bool(S.SKIP_UNREAD))
+    _output_fwd(x, up, states, o, s, prec, traced=False, has_h0=h0 is not None, first_from_u=False)
 
 
 def _new_chunk_states(q: Tensor, s: dict, empty: bool = False) -> Tensor:

@@ -677,6 +677,13 @@ FUSED_OUTPUT_GLAST_AHEAD = 1
 # prototype to profile (benchmarks/ONE_PASS_STATUS.md). ONE_PASS_BV: its V block (each V block forms the chunk's A's
 # and Tm again); ONE_PASS_BKA: the K slices of the A's; its warps and stages.
 ONE_PASS_FWD = 0
+# A forward that keeps nothing, on fixed-length batches, in this many batch pieces
+# (fwd._fwd_batch_pieces): each piece's intra-chunk stage on the caller's stream, its scan
+# (latency-bound: one program a sequence, head and V block walks the chunks) on a side
+# stream beside the next piece's intra-chunk stage (bandwidth-bound), so that they overlap.
+# The same values bit for bit. 1: no split. Built 2026-12-06 (fortieth session) without a
+# device to time it: 1 until timed.
+FWD_BATCH_PIECES = 1
 ONE_PASS_BV = 32
 ONE_PASS_BKA = 32
 ONE_PASS_WARPS = 8
