@@ -2575,14 +2575,17 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
 
 
 @pytest.mark.parametrize("case", ["fused_h0", "fused_lb_gate", "unfused"])
-def test_triton_forward_in_batch_pieces_gives_the_bits_of_the_whole_batch(case, monkeypatch):
-    """settings.FWD_BATCH_PIECES: a forward that keeps nothing, split into batch pieces (each
-    piece's intra-chunk stage, then its scan on a side stream on CUDA), gives the unsplit
-    forward's o, final state and chunk states bit for byte, at three batch rows in two
-    pieces (rows 0 | 1-2) and in more pieces than rows (three of one row). Cases: the scan
-    that writes the output with an initial state; the same without one, with fla's bounded
-    gate (the row programs, Kb handed on); the scan then the output kernel. A kept forward
-    does not split; a bad setting is refused."""
+def test_triton_forward_in_pieces_gives_the_bits_of_the_whole_batch(case, monkeypatch):
+    """settings.FWD_BATCH_PIECES / FWD_TIME_PIECES: a forward that keeps nothing, split into
+    batch pieces or into time pieces (each piece's intra-chunk stage, then its scan on a side
+    stream on CUDA; a row's later time piece from the state its earlier one left), gives the
+    unsplit forward's o, final state (and chunk states, batch pieces only) bit for bit: three
+    batch rows of three chunks (the last short) in two batch pieces (rows 0 | 1-2), in more
+    pieces than rows (three of one row), and in two and three time pieces (chunks 0 | 1-2,
+    0 | 1 | 2; five asked: three). Cases: the scan that writes the output with an initial
+    state; the same without one, with fla's bounded gate (the row programs, Kb handed on);
+    the scan then the output kernel. A kept forward does not split, nor one keeping chunk
+    states in time; a bad setting is refused."""
     from kda_op.triton_kernels import fwd, settings
 
     if case != "unfused":
@@ -2599,31 +2602,41 @@ def test_triton_forward_in_batch_pieces_gives_the_bits_of_the_whole_batch(case, 
         g = torch.randn(g.shape, generator=gen).to(DEVICE)  # the raw gate
         gate = (torch.randn(2, generator=gen).to(DEVICE), torch.randn(2 * 48, generator=gen).to(DEVICE), -5.0)
     args = (q, k, v, g, beta, None, h0)
-    pieces_seen = []
-    split = fwd._fwd_batch_pieces
+    seen = []
+    split = fwd._fwd_pieces
 
     def recording(*a, **kw):
-        pieces_seen.append(a[-1])
+        seen.append(a[-2:])
         return split(*a, **kw)
 
-    monkeypatch.setattr(fwd, "_fwd_batch_pieces", recording)
+    monkeypatch.setattr(fwd, "_fwd_pieces", recording)
     results = {}
-    for pieces in (1, 2, 4):
-        monkeypatch.setattr(settings, "FWD_BATCH_PIECES", pieces)
-        o, ht, cs, _ = kda_fwd_triton(*args, gate=gate, output_final_state=True, keep_chunk_states=True)
-        results[pieces] = [_bytes(t) for t in (o, ht, cs)]
-    assert pieces_seen == [2, 3], pieces_seen  # 4 pieces of 3 rows: three
-    assert results[1][0].numel() > 0 and results[1][1].numel() > 0 and results[1][2].numel() > 0
-    for pieces in (2, 4):
-        for name, a, b in zip(("o", "final state", "chunk states"), results[1], results[pieces]):
-            assert torch.equal(a, b), (pieces, name)
-    # nothing kept beside o: the same o
-    o_only, _, _, _ = kda_fwd_triton(*args, gate=gate, output_final_state=False, keep_chunk_states=False)
-    assert torch.equal(_bytes(o_only), results[1][0])
+    for rows, times, keep in ((1, 1, True), (2, 1, True), (4, 1, True), (1, 1, False), (1, 2, False),
+                              (1, 5, False)):
+        monkeypatch.setattr(settings, "FWD_BATCH_PIECES", rows)
+        monkeypatch.setattr(settings, "FWD_TIME_PIECES", times)
+        o, ht, cs, _ = kda_fwd_triton(*args, gate=gate, output_final_state=True, keep_chunk_states=keep)
+        results[rows, times, keep] = [_bytes(t) for t in (o, ht, cs)]
+    assert seen == [(2, 1), (3, 1), (3, 2), (3, 3)], seen
+    whole = results[1, 1, True]
+    assert whole[0].numel() > 0 and whole[1].numel() > 0 and whole[2].numel() > 0
+    for key in ((2, 1, True), (4, 1, True)):
+        for name, a, b in zip(("o", "final state", "chunk states"), whole, results[key]):
+            assert torch.equal(a, b), (key, name)
+    for key in ((1, 1, False), (1, 2, False), (1, 5, False)):
+        for name, a, b in zip(("o", "final state"), whole, results[key]):
+            assert torch.equal(a, b), (key, name)
+    # where chunk states are kept: no time pieces, the batch pieces asked
+    monkeypatch.setattr(settings, "FWD_BATCH_PIECES", 2)
+    seen.clear()
+    kda_fwd_triton(*args, gate=gate, keep_chunk_states=True)
+    assert seen == [(2, 1)], seen
     # a forward that keeps its intermediates does not split
-    pieces_seen.clear()
+    seen.clear()
     kda_fwd_triton(*args, gate=gate, keep_intermediates=True)
-    assert pieces_seen == []
-    monkeypatch.setattr(settings, "FWD_BATCH_PIECES", 0)
-    with pytest.raises(ValueError, match="FWD_BATCH_PIECES"):
-        kda_fwd_triton(*args, gate=gate)
+    assert seen == []
+    for name in ("FWD_BATCH_PIECES", "FWD_TIME_PIECES"):
+        monkeypatch.setattr(settings, name, 0)
+        with pytest.raises(ValueError, match=name):
+            kda_fwd_triton(*args, gate=gate)
+        monkeypatch.setattr(settings, name, 1)
