@@ -2574,7 +2574,7 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
             assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("case", ["fused_h0", "fused_lb_gate", "unfused"])
+@pytest.mark.parametrize("case", ["fused_h0", "unfused_lb_gate"])
 def test_triton_forward_in_pieces_gives_the_bits_of_the_whole_batch(case, monkeypatch):
     """settings.FWD_BATCH_PIECES / FWD_TIME_PIECES: a forward that keeps nothing, split into
     batch pieces or into time pieces (each piece's intra-chunk stage, then its scan on a side
@@ -2582,13 +2582,13 @@ def test_triton_forward_in_pieces_gives_the_bits_of_the_whole_batch(case, monkey
     unsplit forward's o, final state (and chunk states, batch pieces only) bit for bit: three
     batch rows of three chunks (the last short) in two batch pieces (rows 0 | 1-2), in more
     pieces than rows (three of one row), and in two and three time pieces (chunks 0 | 1-2,
-    0 | 1 | 2; five asked: three). Cases: the scan that writes the output with an initial
-    state; the same without one, with fla's bounded gate (the row programs, Kb handed on);
-    the scan then the output kernel. A kept forward does not split, nor one keeping chunk
-    states in time; a bad setting is refused."""
+    0 | 1 | 2; five asked: three). Cases (two, for CI's time): the scan that writes the output
+    with an initial state; the scan then the output kernel without one, with fla's bounded
+    gate (the row programs, Kb handed on). A kept forward does not split, nor one keeping
+    chunk states in time; a bad setting is refused."""
     from kda_op.triton_kernels import fwd, settings
 
-    if case != "unfused":
+    if case == "fused_h0":
         _fused_scan_at_small_sizes(monkeypatch)
     else:
         monkeypatch.setattr(settings, "FUSED_OUTPUT", 0)
@@ -2597,7 +2597,7 @@ def test_triton_forward_in_pieces_gives_the_bits_of_the_whole_batch(case, monkey
     q, k, v, beta = (x[n].to(torch.bfloat16) for n in ("q", "k", "v", "beta"))
     g, h0 = x["g"], x["initial_state"]
     gate = None
-    if case == "fused_lb_gate":
+    if case == "unfused_lb_gate":
         gen = torch.Generator().manual_seed(142)
         g = torch.randn(g.shape, generator=gen).to(DEVICE)  # the raw gate
         gate = (torch.randn(2, generator=gen).to(DEVICE), torch.randn(2 * 48, generator=gen).to(DEVICE), -5.0)
@@ -2611,8 +2611,7 @@ def test_triton_forward_in_pieces_gives_the_bits_of_the_whole_batch(case, monkey
 
     monkeypatch.setattr(fwd, "_fwd_pieces", recording)
     results = {}
-    for rows, times, keep in ((1, 1, True), (2, 1, True), (4, 1, True), (1, 1, False), (1, 2, False),
-                              (1, 5, False)):
+    for rows, times, keep in ((1, 1, True), (2, 1, True), (4, 1, True), (1, 2, False), (1, 5, False)):
         monkeypatch.setattr(settings, "FWD_BATCH_PIECES", rows)
         monkeypatch.setattr(settings, "FWD_TIME_PIECES", times)
         o, ht, cs, _ = kda_fwd_triton(*args, gate=gate, output_final_state=True, keep_chunk_states=keep)
@@ -2623,7 +2622,7 @@ def test_triton_forward_in_pieces_gives_the_bits_of_the_whole_batch(case, monkey
     for key in ((2, 1, True), (4, 1, True)):
         for name, a, b in zip(("o", "final state", "chunk states"), whole, results[key]):
             assert torch.equal(a, b), (key, name)
-    for key in ((1, 1, False), (1, 2, False), (1, 5, False)):
+    for key in ((1, 2, False), (1, 5, False)):
         for name, a, b in zip(("o", "final state"), whole, results[key]):
             assert torch.equal(a, b), (key, name)
     # where chunk states are kept: no time pieces, the batch pieces asked
