@@ -373,7 +373,6 @@ def kda_fwd_triton(
             _fwd_pieces(q, k, v, g, beta, scale, h0, gate, o, ht if output_final_state else None,
                         chunk_states if keep_chunk_states else None, rows, times)
         return o, ht, chunk_states, intermediates
-    prec = _dot_precision(q.dtype)
     # the forward forms nothing that nothing reads (settings.SKIP_UNREAD): a one-chunk
     # sequence's leaving state that nothing keeps; and where it keeps nothing, for
     # packed sequences without initial states, the first chunks' U' (their U, read
@@ -390,29 +389,13 @@ def kda_fwd_triton(
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     kept_up = keep_intermediates and NC > 0 and T > 0
-    launch = _fused_output_launch(s, x) if NC > 0 and T > 0 else None
-    if launch is not None:
-        # the scan writes the output (settings.FUSED_OUTPUT): U' and the chunk states only where kept
-        with _range("kda_op::fwd::state_scan_output"):
-            _state_output_fwd(x, h0, kept["up"] if kept_up else None, chunk_states if keep_chunk_states else None,
-                              ht if output_final_state else None, o, s, prec, launch, traced=False)
-        return o, ht, chunk_states, intermediates
-    # the scan and the output kernel pass the chunk states through memory: a buffer of
-    # this call's own where the caller keeps none
-    states = chunk_states if keep_chunk_states else _new_chunk_states(q, s)
-    up = kept["up"] if kept_up else torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
-    with _range("kda_op::fwd::state_scan"):
-        _state_scan_fwd(x, h0, up, states, ht if output_final_state else None, s, prec, traced=False,
-                        first_up=not first_from_u, skip_unkept_state=bool(S.SKIP_UNREAD))
-    if NC > 0 and T > 0:
-        with _range("kda_op::fwd::output"):
-            _output_fwd(x, up, states, o, s, prec, traced=False, has_h0=h0 is not None,
-                        first_from_u=first_from_u)
+    _scan_and_output(x, h0, kept["up"] if kept_up else None, o, ht if output_final_state else None,
+                     chunk_states if keep_chunk_states else None, s, q, first_from_u=first_from_u)
     return o, ht, chunk_states, intermediates
 
 
 def _batch_pieces(s: dict, cu_seqlens: Optional[Tensor], keep_intermediates: bool,
-                  keep_chunk_states: bool = False) -> tuple[int, int]:
+                  keep_chunk_states: bool) -> tuple[int, int]:
     """Into how many (batch, time) pieces the chunked forward splits: ``(rows, times)``,
     (1, 1) for none (settings.FWD_BATCH_PIECES, FWD_TIME_PIECES). Neither where it keeps
     intermediates, on packed sequences, or where there is no chunk; time pieces only where
@@ -466,6 +449,7 @@ def _fwd_pieces(q, k, v, g, beta, scale: float, h0: Optional[Tensor], gate: Opti
     # the state each row piece leaves between its time pieces (fp32, as the scan keeps it)
     carries = [[torch.empty(row_bounds[i + 1] - row_bounds[i], HV, K, V, device=q.device, dtype=torch.float32)
                 for i in range(rows)] for _ in range(times - 1)]
+    unread_skips = bool(S.SKIP_UNREAD)
     kept = []
     for j in range(times):
         span = slice(time_bounds[j], time_bounds[j + 1])
@@ -475,7 +459,6 @@ def _fwd_pieces(q, k, v, g, beta, scale: float, h0: Optional[Tensor], gate: Opti
             start = (None if h0 is None else h0[r]) if j == 0 else carries[j - 1][i]
             leave = (None if ht is None else ht[r]) if j == times - 1 else carries[j][i]
             s = _sizes(qp, vp, cu_seqlens=None, has_initial_state=start is not None)
-            unread_skips = bool(S.SKIP_UNREAD)
             x = _intra_fwd(qp, kp, vp, gp, bp, scale, s, store_tm=False, gate=gate,
                            qg_first=not unread_skips or start is not None, w_first=True,
                            kr_last=not unread_skips or not s["COMPACT_STATES"] or leave is not None)
@@ -487,9 +470,9 @@ def _fwd_pieces(q, k, v, g, beta, scale: float, h0: Optional[Tensor], gate: Opti
                 side = sides[i % len(sides)]
                 side.wait_event(ready)
                 with torch.cuda.stream(side):
-                    _scan_and_output(x, start, o[r, span], leave, states, s, qp)
+                    _scan_and_output(x, start, None, o[r, span], leave, states, s, qp)
             else:
-                _scan_and_output(x, start, o[r, span], leave, states, s, qp)
+                _scan_and_output(x, start, None, o[r, span], leave, states, s, qp)
     if cuda:
         for side in sides:
             done = torch.cuda.Event()
@@ -498,21 +481,32 @@ def _fwd_pieces(q, k, v, g, beta, scale: float, h0: Optional[Tensor], gate: Opti
     del kept, carries
 
 
-def _scan_and_output(x: dict, h0: Optional[Tensor], o: Tensor, ht: Optional[Tensor],
-                     chunk_states: Optional[Tensor], s: dict, q: Tensor) -> None:
-    """The scan and the output of a fixed-length forward that keeps no intermediates, from
-    the intra-chunk stage's ``x``: fused where _fused_output_launch says, else the scan
-    into chunk states (``chunk_states``, or a buffer of its own) and the output kernel."""
+def _scan_and_output(x: dict, h0: Optional[Tensor], up: Optional[Tensor], o: Tensor, ht: Optional[Tensor],
+                     chunk_states: Optional[Tensor], s: dict, q: Tensor, first_from_u: bool = False) -> None:
+    """Stages 2 and 3 from the intra-chunk stage's ``x``: the scan that writes the output
+    (settings.FUSED_OUTPUT, where _fused_output_launch says), else the scan and the output
+    kernel, which pass the chunk states through memory (``chunk_states``, or a buffer of
+    this call's own). ``up``: where U' is kept, else None (a buffer of its own where the
+    output kernel reads it). ``first_from_u``: packed sequences without h0, whose first
+    chunks' U' the output reads as U. Without a chunk (T = 0) the scan only copies the
+    initial state through."""
     prec = _dot_precision(q.dtype)
-    launch = _fused_output_launch(s, x)
+    has_chunks = s["NC"] > 0 and s["T"] > 0
+    launch = _fused_output_launch(s, x) if has_chunks else None
     if launch is not None:
-        _state_output_fwd(x, h0, None, chunk_states, ht, o, s, prec, launch, traced=False)
+        # U' and the chunk states only where kept
+        with _range("kda_op::fwd::state_scan_output"):
+            _state_output_fwd(x, h0, up, chunk_states, ht, o, s, prec, launch, traced=False)
         return
     states = chunk_states if chunk_states is not None else _new_chunk_states(q, s)
-    up = torch.empty(s["B"], s["T"], s["HV"], s["V"], device=q.device, dtype=residual_dtype(q.dtype))
-    _state_scan_fwd(x, h0, up, states, ht, s, prec, traced=False, first_up=True,
-                    skip_unkept_state=bool(S.SKIP_UNREAD))
-    _output_fwd(x, up, states, o, s, prec, traced=False, has_h0=h0 is not None, first_from_u=False)
+    if up is None:
+        up = torch.empty(s["B"], s["T"], s["HV"], s["V"], device=q.device, dtype=residual_dtype(q.dtype))
+    with _range("kda_op::fwd::state_scan"):
+        _state_scan_fwd(x, h0, up, states, ht, s, prec, traced=False, first_up=not first_from_u,
+                        skip_unkept_state=bool(S.SKIP_UNREAD))
+    if has_chunks:
+        with _range("kda_op::fwd::output"):
+            _output_fwd(x, up, states, o, s, prec, traced=False, has_h0=h0 is not None, first_from_u=first_from_u)
 
 
 def _new_chunk_states(q: Tensor, s: dict, empty: bool = False) -> Tensor:
