@@ -16,6 +16,7 @@ sys.path.insert(0, str(REPO / "profiling"))
 
 import plot_benchmark  # noqa: E402
 import profile_kda  # noqa: E402
+import stream_overlap  # noqa: E402
 
 STAGES_CPU = ("kda_op::fwd::recurrence", "kda_op::bwd::recompute_chunk", "kda_op::bwd::bptt_chunk")
 
@@ -155,3 +156,19 @@ def test_mma_chain_repro_finds_nothing_wrong_where_the_product_is_right(monkeypa
     monkeypatch.setattr(mma_chain_repro, "mma_chain_kernel", RowsOverwritten())
     line = mma_chain_repro.check(32, 4, 2)
     assert "wrong rows 16..63 (48)" in line, line
+
+
+def test_stream_overlap_counts_only_time_two_streams_share():
+    """profiling/stream_overlap.py's arithmetic: a stream's own kernels that touch or nest
+    count once in its busy time; overlap is the time two streams run at once, not the sum of
+    their busy times less the span (a gap between kernels is neither busy nor overlapped)."""
+    s = stream_overlap.overlap_summary({7: [(0.0, 10.0), (5.0, 12.0), (30.0, 31.0)], 9: [(8.0, 20.0), (21.0, 22.0)]})
+    assert s["busy_7"] == 13.0 and s["busy_9"] == 13.0
+    assert s["span"] == 31.0
+    assert s["busy"] == 20.0 + 1.0 + 1.0  # 0-20, 21-22, 30-31
+    assert s["overlap"] == 4.0  # 8-12
+    # kernels that meet end to start on two streams do not overlap
+    assert stream_overlap.overlap_summary({1: [(0.0, 5.0)], 2: [(5.0, 9.0)]})["overlap"] == 0.0
+    assert stream_overlap.overlap_summary({})["busy"] == 0.0
+    with pytest.raises(ValueError, match="stream 3"):
+        stream_overlap.overlap_summary({3: [(2.0, 1.0)]})
