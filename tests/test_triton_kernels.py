@@ -2634,8 +2634,8 @@ def test_triton_forward_in_pieces_gives_the_bits_of_the_whole_batch(case, monkey
     seen.clear()
     kda_fwd_triton(*args, gate=gate, keep_intermediates=True)
     assert seen == []
-    for name in ("FWD_BATCH_PIECES", "FWD_TIME_PIECES"):
-        monkeypatch.setattr(settings, name, 0)
+    for name, bad, good in (("FWD_BATCH_PIECES", 0, 1), ("FWD_TIME_PIECES", 0, 1), ("FWD_PIECES_SCAN_PRIORITY", 2, 0)):
+        monkeypatch.setattr(settings, name, bad)
         with pytest.raises(ValueError, match=name):
             kda_fwd_triton(*args, gate=gate)
-        monkeypatch.setattr(settings, name, 1)
+        monkeypatch.setattr(settings, name, good)

@@ -404,6 +404,8 @@ def _batch_pieces(s: dict, cu_seqlens: Optional[Tensor], keep_intermediates: boo
     for name, value in (("FWD_BATCH_PIECES", rows), ("FWD_TIME_PIECES", times)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"settings.{name}: expected an int >= 1, got {value!r}")
+    if S.FWD_PIECES_SCAN_PRIORITY not in (0, 1):
+        raise ValueError(f"settings.FWD_PIECES_SCAN_PRIORITY: expected 0 or 1, got {S.FWD_PIECES_SCAN_PRIORITY!r}")
     if keep_intermediates or cu_seqlens is not None or s["NC"] == 0 or s["T"] == 0:
         return 1, 1
     times = 1 if keep_chunk_states else min(times, s["NC"])
@@ -414,11 +416,15 @@ _SIDE_STREAMS: dict = {}
 
 
 def _side_streams(device: torch.device, n: int) -> list:
-    """``n`` streams that run the pieces' scans beside the intra-chunk stage (kept a device)."""
+    """``n`` streams that run the pieces' scans beside the intra-chunk stage (kept a device
+    and priority; settings.FWD_PIECES_SCAN_PRIORITY: 1 for the device's highest, so that the
+    scans' CTAs, each walking a whole span of chunks, are dispatched first as SMs free up)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    streams = _SIDE_STREAMS.setdefault(index, [])
+    # torch maps a priority past the device's range to its nearest end: -100 is the highest
+    priority = -100 if S.FWD_PIECES_SCAN_PRIORITY else 0
+    streams = _SIDE_STREAMS.setdefault((index, priority), [])
     while len(streams) < n:
-        streams.append(torch.cuda.Stream(device=index))
+        streams.append(torch.cuda.Stream(device=index, priority=priority))
     return streams[:n]
 
 

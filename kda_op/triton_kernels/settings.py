@@ -695,6 +695,8 @@ FWD_BATCH_PIECES = 1
 # row's scan walks 128 chunks in 64 programs), where batch pieces cannot help. 1: no split.
 # Built 2026-12-06 (fortieth session) without a device: 1 until timed.
 FWD_TIME_PIECES = 1
+# The side streams of the pieces' scans at the device's highest priority (1) or the default (0).
+FWD_PIECES_SCAN_PRIORITY = 0
 # The forward's intra-chunk stage in one launch (intra_fused_fwd.py: gam, the A's, Tm, W,
 # U, Qg and Kr of a chunk in one program; A_kk, gam and the diagonal inverses stay on
 # chip) instead of four (gam_fwd, intra_a_fwd, diag_inv, intra_wu_fwd), where the forward
