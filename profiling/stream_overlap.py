@@ -1,13 +1,15 @@
 """How much of a no-grad forward's GPU time runs on more than one stream at once.
 
-settings.FWD_BATCH_PIECES / FWD_TIME_PIECES split the forward so that each piece's scan
-(on a side stream) runs beside the next piece's intra-chunk stage (on the caller's
-stream). Wall time alone cannot say whether the two overlapped or merely ran one after
-the other: this records one forward under torch.profiler and prints, per stream, the
-kernels' busy time, then the span from the first kernel's start to the last one's end,
-the time at least one kernel ran (busy union) and the time two or more ran at once.
+Wall time alone cannot say whether kernels launched on two streams overlapped or merely
+ran one after the other: this records one forward under torch.profiler and prints, per
+stream, the kernels' busy time, then the span from the first kernel's start to the last
+one's end, the time at least one kernel ran (busy union) and the time two or more ran at
+once. Written for the forward split into batch or time pieces with each piece's scan on a
+side stream (the fortieth session's FWD_BATCH_PIECES / FWD_TIME_PIECES, removed after this
+showed, 2026-12-07, that the scans overlapped the intra-chunk stage by 0.56 ms at
+B8-T8192-H16 and slowed it by as much: benchmarks/NOTES.md).
 
-    python profiling/stream_overlap.py --shape 8 8192 16 16 --variants "" FWD_BATCH_PIECES=2
+    python profiling/stream_overlap.py --shape 8 8192 16 16 --variants "" "FUSED_OUTPUT=0"
 """
 
 from __future__ import annotations

@@ -367,12 +367,6 @@ def kda_fwd_triton(
     o = torch.empty(B, T, HV, V, device=q.device, dtype=v.dtype)
     if s["NSEQ"] * HV == 0:
         return o, ht, chunk_states, intermediates
-    rows, times = _batch_pieces(s, cu_seqlens, keep_intermediates, keep_chunk_states)
-    if rows * times > 1:
-        with _range("kda_op::fwd::pieces"):
-            _fwd_pieces(q, k, v, g, beta, scale, h0, gate, o, ht if output_final_state else None,
-                        chunk_states if keep_chunk_states else None, rows, times)
-        return o, ht, chunk_states, intermediates
     # the forward forms nothing that nothing reads (settings.SKIP_UNREAD): a one-chunk
     # sequence's leaving state that nothing keeps; and where it keeps nothing, for
     # packed sequences without initial states, the first chunks' U' (their U, read
@@ -392,99 +386,6 @@ def kda_fwd_triton(
     _scan_and_output(x, h0, kept["up"] if kept_up else None, o, ht if output_final_state else None,
                      chunk_states if keep_chunk_states else None, s, q, first_from_u=first_from_u)
     return o, ht, chunk_states, intermediates
-
-
-def _batch_pieces(s: dict, cu_seqlens: Optional[Tensor], keep_intermediates: bool,
-                  keep_chunk_states: bool) -> tuple[int, int]:
-    """Into how many (batch, time) pieces the chunked forward splits: ``(rows, times)``,
-    (1, 1) for none (settings.FWD_BATCH_PIECES, FWD_TIME_PIECES). Neither where it keeps
-    intermediates, on packed sequences, or where there is no chunk; time pieces only where
-    it keeps no chunk states, each of at least one chunk, and then a piece a batch row."""
-    rows, times = S.FWD_BATCH_PIECES, S.FWD_TIME_PIECES
-    for name, value in (("FWD_BATCH_PIECES", rows), ("FWD_TIME_PIECES", times)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"settings.{name}: expected an int >= 1, got {value!r}")
-    if S.FWD_PIECES_SCAN_PRIORITY not in (0, 1):
-        raise ValueError(f"settings.FWD_PIECES_SCAN_PRIORITY: expected 0 or 1, got {S.FWD_PIECES_SCAN_PRIORITY!r}")
-    if keep_intermediates or cu_seqlens is not None or s["NC"] == 0 or s["T"] == 0:
-        return 1, 1
-    times = 1 if keep_chunk_states else min(times, s["NC"])
-    return (s["B"] if times > 1 else min(rows, s["B"])), times
-
-
-_SIDE_STREAMS: dict = {}
-
-
-def _side_streams(device: torch.device, n: int) -> list:
-    """``n`` streams that run the pieces' scans beside the intra-chunk stage (kept a device
-    and priority; settings.FWD_PIECES_SCAN_PRIORITY: 1 for the device's highest, so that the
-    scans' CTAs, each walking a whole span of chunks, are dispatched first as SMs free up)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    # torch maps a priority past the device's range to its nearest end: -100 is the highest
-    priority = -100 if S.FWD_PIECES_SCAN_PRIORITY else 0
-    streams = _SIDE_STREAMS.setdefault((index, priority), [])
-    while len(streams) < n:
-        streams.append(torch.cuda.Stream(device=index, priority=priority))
-    return streams[:n]
-
-
-def _fwd_pieces(q, k, v, g, beta, scale: float, h0: Optional[Tensor], gate: Optional[tuple], o: Tensor,
-                ht: Optional[Tensor], chunk_states: Optional[Tensor], rows: int, times: int) -> None:
-    """A forward that keeps no intermediates in ``rows`` batch pieces and ``times`` time
-    pieces (settings.FWD_BATCH_PIECES, FWD_TIME_PIECES; _batch_pieces): each piece's
-    intra-chunk stage on the caller's stream, and its scan (with the output) on a side
-    stream once that stage is done, so that the latency-bound scans run beside the next
-    pieces' intra-chunk stages. Batch pieces are contiguous slices of every input and
-    output. Time pieces (one batch row each, so that a row's span of chunks is a contiguous
-    view) split a row's chunks: the scan of a row's later piece starts from the state its
-    earlier piece left (a buffer of its own), on that row's side stream, so the scans of
-    one row run in order and those of different rows side by side. The values are the
-    unsplit forward's, bit for bit where only the batch is split (no row reads another's);
-    time pieces carry the state through fp32 as the scan does. Every piece's buffers stay
-    referenced until the caller's stream has waited for the side streams, so the allocator
-    reuses none of them while a scan may read it. On CPU tensors (the interpreter) the same
-    launches run in order, without streams."""
-    B, T = q.shape[0], q.shape[1]
-    row_bounds = [B * i // rows for i in range(rows + 1)]
-    nc = _cdiv(T, BT)
-    time_bounds = [min(T, (nc * j // times) * BT) for j in range(times + 1)]
-    cuda = q.is_cuda
-    main = torch.cuda.current_stream(q.device) if cuda else None
-    sides = _side_streams(q.device, rows if times > 1 else 1) if cuda else None
-    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
-    # the state each row piece leaves between its time pieces (fp32, as the scan keeps it)
-    carries = [[torch.empty(row_bounds[i + 1] - row_bounds[i], HV, K, V, device=q.device, dtype=torch.float32)
-                for i in range(rows)] for _ in range(times - 1)]
-    unread_skips = bool(S.SKIP_UNREAD)
-    kept = []
-    for j in range(times):
-        span = slice(time_bounds[j], time_bounds[j + 1])
-        for i in range(rows):
-            r = slice(row_bounds[i], row_bounds[i + 1])
-            qp, kp, vp, gp, bp = (t[r, span] for t in (q, k, v, g, beta))
-            start = (None if h0 is None else h0[r]) if j == 0 else carries[j - 1][i]
-            leave = (None if ht is None else ht[r]) if j == times - 1 else carries[j][i]
-            s = _sizes(qp, vp, cu_seqlens=None, has_initial_state=start is not None)
-            x = _intra_fwd(qp, kp, vp, gp, bp, scale, s, store_tm=False, gate=gate,
-                           qg_first=not unread_skips or start is not None, w_first=True,
-                           kr_last=not unread_skips or not s["COMPACT_STATES"] or leave is not None)
-            kept.append(x)
-            states = None if chunk_states is None else chunk_states[r]
-            if cuda:
-                ready = torch.cuda.Event()
-                ready.record(main)
-                side = sides[i % len(sides)]
-                side.wait_event(ready)
-                with torch.cuda.stream(side):
-                    _scan_and_output(x, start, None, o[r, span], leave, states, s, qp)
-            else:
-                _scan_and_output(x, start, None, o[r, span], leave, states, s, qp)
-    if cuda:
-        for side in sides:
-            done = torch.cuda.Event()
-            done.record(side)
-            main.wait_event(done)
-    del kept, carries
 
 
 def _scan_and_output(x: dict, h0: Optional[Tensor], up: Optional[Tensor], o: Tensor, ht: Optional[Tensor],

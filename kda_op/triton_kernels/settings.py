@@ -682,21 +682,6 @@ ONE_PASS_BKA = 32
 ONE_PASS_WARPS = 8
 ONE_PASS_STAGES = 1
 ONE_PASS_MIN_PROGRAMS_PER_SM = 1
-# A forward that keeps nothing, on fixed-length batches, in this many batch pieces
-# (fwd._fwd_pieces): each piece's intra-chunk stage on the caller's stream, its scan
-# (latency-bound: one program a sequence, head and V block walks the chunks) on a side
-# stream beside the next piece's intra-chunk stage (bandwidth-bound), so that they overlap.
-# The same values bit for bit. 1: no split. Built 2026-12-06 (fortieth session) without a
-# device to time it: 1 until timed.
-FWD_BATCH_PIECES = 1
-# The same where the forward keeps no chunk states either, in time: each batch row's chunks
-# in this many spans, a row's later span's scan starting from the state its earlier one
-# left, each row's scans on a side stream of its own. For few rows (B2-T8192-H8-HV32: a
-# row's scan walks 128 chunks in 64 programs), where batch pieces cannot help. 1: no split.
-# Built 2026-12-06 (fortieth session) without a device: 1 until timed.
-FWD_TIME_PIECES = 1
-# The side streams of the pieces' scans at the device's highest priority (1) or the default (0).
-FWD_PIECES_SCAN_PRIORITY = 0
 # The forward's intra-chunk stage in one launch (intra_fused_fwd.py: gam, the A's, Tm, W,
 # U, Qg and Kr of a chunk in one program; A_kk, gam and the diagonal inverses stay on
 # chip) instead of four (gam_fwd, intra_a_fwd, diag_inv, intra_wu_fwd), where the forward
