@@ -403,6 +403,15 @@ def main(argv: list[str] | None = None) -> int:
                      *a_run[3:]))
         wu_run = [r for r in runs if r[0] is intra_wu_fwd.kda_intra_wu_fwd_kernel and not r[2]["STORE_TM"]][0]
         runs.append((wu_run[0], dict(wu_run[1], kbg=op), dict(wu_run[2], KBG_IN=True), *wu_run[3:]))
+        if S.FUSED_OUTPUT and s["BK"] <= 128:
+            # the scan that writes the output forming U' from Tm (settings.FUSED_OUTPUT_SOLVE_U,
+            # compiled whether on or off): intra_wu_fwd forming Tm alone (bf16), the scan in a
+            # forward that keeps nothing, at both launches
+            runs.append((wu_run[0], dict(wu_run[1], kbg=op, tm="*bf16"), dict(wu_run[2], KBG_IN=True, TM_ONLY=True),
+                         *wu_run[3:]))
+            fused = [r for r in runs if r[0] is state_output_fwd.kda_state_output_fwd_kernel and not r[2]["HAS_H0"]]
+            runs += [(fn, dict(sig, beta=x, tm="*bf16"), dict(const, SOLVE_U=True, HAS_H0=h0), warps, stages)
+                     for fn, sig, const, warps, stages in fused for h0 in (False, True)]
     if S.STEEP_WORK_LIST:
         # the steep launches as work lists (settings.STEEP_WORK_LIST)
         for fn in (intra_a_fwd.kda_intra_a_fwd_steep_kernel, intra_bwd_a.kda_intra_bwd_a_kernel):

@@ -2572,3 +2572,72 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
                                        else 1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
         else:
             assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("launch", FUSED_SCAN_LAUNCHES)
+@pytest.mark.parametrize("case", ["h0", "no_h0_lb_gate", "packed_pool"])
+def test_triton_scan_solving_u_matches_the_scan_reading_w_and_u(case, launch, monkeypatch):
+    """settings.FUSED_OUTPUT_SOLVE_U: where the scan that writes the output serves a forward
+    that keeps nothing (bf16 inputs, Kb handed on), intra_wu_fwd forms Tm alone (bf16) and
+    the scan forms U' = Tm (diag(beta) V - Kb S) itself. o and the final state are those of
+    the scan reading W and U up to bf16 rounding (Tm, and diag(beta) V - Kb S before its
+    dot, rounded to bf16 where W and U were) and those of the fp32 reference as closely as
+    before. Cases: an initial state (every chunk in the loop); none, with fla's bounded
+    gate (the row programs' Kb; the first chunk U = Tm diag(beta) V out of the loop); packed
+    sequences (an empty one, none so short that their tiles take K and gam through memory)
+    into a state pool, a negative slot among them (the prefill). A kept forward, and the scan then the output
+    kernel, form W and U as before."""
+    from kda_op.triton_kernels import fwd, kda_chunk_pool_triton, settings
+
+    _fused_scan_at_small_sizes(monkeypatch, launch)
+    wu_modes, scan_modes = [], []
+    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel", lambda kw: wu_modes.append(kw["TM_ONLY"]))
+    _on_launch(monkeypatch, fwd, "kda_state_output_fwd_kernel",
+               lambda kw: scan_modes.append(kw.get("SOLVE_U", False)))
+    packed = case == "packed_pool"
+    (q, k, v, g, beta), h0, cu, cu_d, args = _bf16_scan_problem(packed, case == "h0", [260, 0, 190],
+                                                                (95, 0.3) if packed else (96, None))
+    gate = None
+    if case == "no_h0_lb_gate":
+        gen = torch.Generator().manual_seed(97)
+        g = torch.randn(g.shape, generator=gen)  # the raw gate
+        args[3] = g.to(DEVICE)
+        gate = (torch.randn(2, generator=gen).to(DEVICE), torch.randn(2 * 48, generator=gen).to(DEVICE), -5.0)
+    results = []
+    for solve in (0, 1):
+        monkeypatch.setattr(settings, "FUSED_OUTPUT_SOLVE_U", solve)
+        wu_modes.clear(), scan_modes.clear()
+        if packed:
+            gen = torch.Generator().manual_seed(98)
+            pool = torch.randn(8, v.shape[2], k.shape[3], v.shape[3], generator=gen).to(DEVICE)
+            slots = torch.tensor([5, -1, 0], device=DEVICE)
+            o = kda_chunk_pool_triton(*args[:6], pool, slots, False, cu_seqlens=cu_d)
+            results.append((o, pool[slots.clamp_min(0)]))
+        else:
+            o, ht, _, _ = kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
+            results.append((o, ht))
+        assert scan_modes == [bool(solve)], scan_modes
+        assert wu_modes == [bool(solve)], wu_modes
+    for name, a, b in zip(("o", "final state"), *results):
+        a, b = a.float().cpu(), b.float().cpu()
+        assert a.abs().max() > 0.01, name
+        # Tm and diag(beta) V - Kb S rounded to bf16 (2^-9 relative) where W and U were
+        assert (a - b).norm() <= 1e-2 * a.norm(), (name, ((a - b).norm() / a.norm()).item())
+    # against the fp32 reference (the pool's prefill against the forward: the tests above)
+    if case == "no_h0_lb_gate":
+        from kda_op.ops import _reference_fwd
+
+        ref_gate = tuple(t.cpu() if torch.is_tensor(t) else t for t in gate)
+        want = _reference_fwd(q.float(), k.float(), v.float(), g, beta.float(), None, None, ref_gate, None)[0]
+    elif not packed:
+        want = _reference_o(*(t.float() for t in (q, k, v, g, beta)), h0, cu)
+    for got in (results[0][0], results[1][0]) if not packed else ():
+        assert (got.cpu().float() - want).norm() <= 1e-2 * want.norm()
+    # a forward that keeps its intermediates forms W and U
+    wu_modes.clear(), scan_modes.clear()
+    kda_fwd_triton(*args, True, gate=gate, cu_seqlens=cu_d)
+    assert wu_modes == [False] and scan_modes == [False]
+    # a setting other than 0 or 1 is refused
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_SOLVE_U", 2)
+    with pytest.raises(ValueError, match="FUSED_OUTPUT_SOLVE_U"):
+        kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)

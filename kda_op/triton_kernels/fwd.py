@@ -72,7 +72,8 @@ def _tilings(tile: int) -> tuple[dict, ...]:
 
 
 def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] = None, traced: bool = False,
-               gate: Optional[tuple] = None, qg_first: bool = True, kr_last: bool = True, w_first: bool = True):
+               gate: Optional[tuple] = None, qg_first: bool = True, kr_last: bool = True, w_first: bool = True,
+               solve_u: bool = False):
     """Stage 1 of the forward (and of the backward's recompute): gam, the A's, Tm
     (when ``store_tm``), W, U, Qg, Kr and the steep flags, into the tensors of
     ``out`` where given (views of the kept intermediates), else fresh ones.
@@ -81,10 +82,13 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     ``kr_last`` = False (a forward that keeps nothing): the rows of Qg and W in
     each sequence's first chunk, of Kr in its last, are not written (where neither
     the output nor the scan reads them: no initial state; compact chunk states and
-    no final state)."""
+    no final state). ``solve_u``: the caller hands ``x`` to the scan that writes the output
+    (_scan_and_output, the pool's prefill), which may then form U' itself from Tm
+    (_solve_u_serves): W's buffer keeps Kb, ``x["u"]`` is ``v`` and ``x["tm_solve"]`` Tm."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     f32 = dict(device=q.device, dtype=torch.float32)
     prec = _dot_precision(q.dtype)
+    fresh = out is None
     if out is None:
         operand = dict(device=q.device, dtype=scan_operand_dtype(q.dtype))
         out = dict(
@@ -190,16 +194,35 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     wu_warps = S.INTRA_WU_FWD_WARPS_BF16 if two_warp_bf16 else S.INTRA_WU_FWD_WARPS
     # the register cap was measured on the two-warp bf16 path only
     wu_cap = S.INTRA_WU_FWD_MAXNREG if two_warp_bf16 else None
+    # Tm alone (bf16), the scan forming U' from it (settings.FUSED_OUTPUT_SOLVE_U)
+    tm_only = solve_u and fresh and not traced and (on_chip or rows_kbg) and _solve_u_serves(s, w)
+    if tm_only:
+        u = out["u"] = v  # the scan reads V where it would read U (the unused buffer goes)
+        tm = torch.empty(B, T, HV, BT, device=q.device, dtype=torch.bfloat16)
     for tiling in tilings:
         _kernel(kda_intra_wu_fwd_kernel, traced)[(NC, B * HV)](
-            k, v, beta, gam, akk, dinv, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=diag_inv,
+            k, v, beta, gam, akk, dinv, w, u, tm, *s["VL_CHUNK"], T, NC, DINV_IN=diag_inv, TM_ONLY=tm_only,
             H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
             STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS,
             BF16_DOTS=s["WU_BF16_DOTS"], INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"],
             W_FIRST=w_first, FAST_EXP=_fast_exp(), **tiling, steep=_stand_in(steep, traced), ONLY_STEEP=False,
             kbg=kbg, KBG_IN=on_chip or rows_kbg, num_warps=wu_warps, **(dict(maxnreg=wu_cap) if wu_cap else {}),
         )
-    return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
+    x = dict(gam=gam, akk=akk, aqk=aqk, w=w, u=u, tm=(tm if store_tm else None), steep=steep, qg=qg, kr=kr)
+    if tm_only:
+        x.update(tm_solve=tm, beta=beta)
+    return x
+
+
+def _solve_u_serves(s: dict, w: Tensor) -> bool:
+    """Whether the scan that writes the output forms U' = Tm (diag(beta) V - Kb S) itself
+    (settings.FUSED_OUTPUT_SOLVE_U, state_output_fwd.py's SOLVE_U), intra_wu_fwd then
+    forming Tm alone (bf16): where that scan serves (_fused_output_launch) and, as the
+    caller (_intra_fwd) checks, Kb is handed on in W's buffer (gam on chip, or the row
+    programs' Kb), nothing is kept and the launches are not traced."""
+    if S.FUSED_OUTPUT_SOLVE_U not in (0, 1):
+        raise ValueError(f"settings.FUSED_OUTPUT_SOLVE_U: expected 0 or 1, got {S.FUSED_OUTPUT_SOLVE_U!r}")
+    return bool(S.FUSED_OUTPUT_SOLVE_U) and _fused_output_launch(s, {"w": w}) is not None
 
 
 def _rows_kbg_serves(store_tm: bool, input_dtype: torch.dtype) -> bool:
@@ -379,7 +402,8 @@ def kda_fwd_triton(
             kept = _intermediates_views(intermediates, layout) if keep_intermediates else None
             x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=keep_intermediates, out=kept, gate=gate,
                            qg_first=not unread_skips or h0 is not None, w_first=not first_from_u,
-                           kr_last=not unread_skips or not s["COMPACT_STATES"] or output_final_state)
+                           kr_last=not unread_skips or not s["COMPACT_STATES"] or output_final_state,
+                           solve_u=not keep_intermediates)
     else:  # T == 0: the scan only copies the initial state through
         x = {name: torch.empty(0, **f32) for name in ("gam", "aqk", "w", "u", "qg", "kr")}
     kept_up = keep_intermediates and NC > 0 and T > 0
@@ -400,6 +424,8 @@ def _scan_and_output(x: dict, h0: Optional[Tensor], up: Optional[Tensor], o: Ten
     prec = _dot_precision(q.dtype)
     has_chunks = s["NC"] > 0 and s["T"] > 0
     launch = _fused_output_launch(s, x) if has_chunks else None
+    if launch is None and x.get("tm_solve") is not None:
+        raise AssertionError("Tm alone was formed for a scan that does not write the output (_solve_u_serves)")
     if launch is not None:
         # U' and the chunk states only where kept
         with _range("kda_op::fwd::state_scan_output"):
@@ -502,6 +528,8 @@ def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk
     T, HV, K, V, NC = s["T"], s["HV"], s["K"], s["V"], s["NC"]
     store_states = chunk_states is not None
     warps, stages = launch  # _fused_output_launch's
+    # U' from Tm here (_solve_u_serves): x's W is Kb and its U is V
+    solve = dict(beta=x["beta"], tm=x["tm_solve"], SOLVE_U=True) if x.get("tm_solve") is not None else {}
     _kernel(kda_state_output_fwd_kernel, traced)[(_cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
         x["kr"], x["w"], x["u"], x["gam"], x["qg"], x["aqk"], _stand_in(o, traced) if h0 is None else h0,
         _stand_in(o, traced) if up is None else up,
@@ -512,7 +540,7 @@ def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk
         STORE_UP=up is not None, BF16_DOTS=s["SCAN_BF16_DOTS"], OUTPUT_BF16_DOTS=s["OUTPUT_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], POOL=slots is not None, V_FIRST=v_first,
         COMPACT_STATES=store_states and s["COMPACT_STATES"], GLAST_AHEAD=bool(S.FUSED_OUTPUT_GLAST_AHEAD),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **solve,
     )
     if s["IS_VARLEN"] and store_states:
         _zero_unused_state_slots(chunk_states, s, traced)
@@ -591,7 +619,7 @@ def kda_chunk_pool_triton(
         return o
     prec = _dot_precision(q.dtype)
     if NC > 0 and T > 0:
-        x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, gate=gate)
+        x = _intra_fwd(q, k, v, g, beta, scale, s, store_tm=False, gate=gate, solve_u=True)
         launch = _fused_output_launch(s, x)
         if launch is not None:  # neither chunk states nor U' (settings.FUSED_OUTPUT)
             _state_output_fwd(x, pool, None, None, pool, o, s, prec, launch, traced=False, slots=slots,

@@ -31,8 +31,10 @@ def kda_intra_wu_fwd_kernel(
     IS_VARLEN: tl.constexpr = False, TILE: tl.constexpr = 0, SKIP_TILED: tl.constexpr = 0,
     PICK_TILE: tl.constexpr = 0, W_FIRST: tl.constexpr = True, DINV_IN: tl.constexpr = False,
     FAST_EXP: tl.constexpr = False, steep=None, ONLY_STEEP: tl.constexpr = False,
-    kbg=None, KBG_IN: tl.constexpr = False,
+    kbg=None, KBG_IN: tl.constexpr = False, TM_ONLY: tl.constexpr = False,
 ):
+    # TM_ONLY (settings.FUSED_OUTPUT_SOLVE_U): Tm alone, stored in tm's dtype (bf16), neither
+    # W nor U: the scan that writes the output forms U' = Tm (diag(beta) V - Kb S) itself.
     # FAST_EXP: _math.exp without subnormals.
     # TILE / SKIP_TILED / PICK_TILE: as in intra_a_fwd.py (the chunks of at most TILE
     # rows on [TILE, TILE] tiles, in a launch of their own or, PICK_TILE, in this one);
@@ -78,16 +80,16 @@ def kda_intra_wu_fwd_kernel(
         if T <= PICK_TILE:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, PICK_TILE,
                       STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP,
-                      kbg, KBG_IN)
+                      kbg, KBG_IN, TM_ONLY)
         else:
             _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, BT,
                       STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP,
-                      kbg, KBG_IN)
+                      kbg, KBG_IN, TM_ONLY)
     else:
         R: tl.constexpr = BT if TILE == 0 else TILE  # the tile's rows and columns
         _wu_chunk(k, v, beta, gam, akk, w, u, tm, store_w, T, H, HV, K, V, BT, BC, BK, BV, R,
                   STORE_TM, DOT_PREC, TM_ROW_LOADS, BF16_DOTS, INTERPRET, dinv, DINV_IN, FAST_EXP,
-                      kbg, KBG_IN)
+                  kbg, KBG_IN, TM_ONLY)
 
 
 @triton.jit
@@ -96,7 +98,7 @@ def _wu_chunk(
     K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     R: tl.constexpr, STORE_TM: tl.constexpr, DOT_PREC: tl.constexpr, TM_ROW_LOADS: tl.constexpr,
     BF16_DOTS: tl.constexpr, INTERPRET: tl.constexpr, dinv, DINV_IN: tl.constexpr, FAST_EXP: tl.constexpr,
-    kbg=None, KBG_IN: tl.constexpr = False,
+    kbg=None, KBG_IN: tl.constexpr = False, TM_ONLY: tl.constexpr = False,
 ):
     """One chunk's Tm, W and U on [R, R] tiles (R = BT, or a short chunk's tile);
     the pointers are at the chunk's first row and this head, T its rows; W stored
@@ -142,13 +144,23 @@ def _wu_chunk(
     else:
         b_dinv = diag_block_inverses(b_m, R, BC, 0)
     b_tm = tm_from_block_inverses(b_m, b_dinv, R, BC, DOT_PREC)
-    if STORE_TM:
-        tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], b_tm, mask=m_t[:, None])
+    if STORE_TM or TM_ONLY:
+        tl.store(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :],
+                 as_stored(b_tm, tm, INTERPRET).to(tm.dtype.element_ty), mask=m_t[:, None])
         if R < BT:  # the columns past the tile: zero
             o_z = R + tl.arange(0, BT - R)
-            tl.store(tm + (o_t[:, None]) * (HV * BT) + o_z[None, :], tl.zeros([R, BT - R], dtype=tl.float32),
-                     mask=m_t[:, None])
+            tl.store(tm + (o_t[:, None]) * (HV * BT) + o_z[None, :],
+                     tl.zeros([R, BT - R], dtype=tl.float32).to(tm.dtype.element_ty), mask=m_t[:, None])
+    if not TM_ONLY:
+        _w_and_u(k, v, beta, gam, w, u, kbg, b_tm, b_beta, o_t, m_t, store_w, T, H, HV, K, V, BK, BV,
+                 BF16_DOTS, DOT_PREC, INTERPRET, FAST_EXP, KBG_IN)
 
+
+@triton.jit
+def _w_and_u(k, v, beta, gam, w, u, kbg, b_tm, b_beta, o_t, m_t, store_w, T, H, HV,
+             K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BF16_DOTS: tl.constexpr,
+             DOT_PREC: tl.constexpr, INTERPRET: tl.constexpr, FAST_EXP: tl.constexpr, KBG_IN: tl.constexpr):
+    """W = Tm Kb and U = Tm diag(beta) V of one chunk (_wu_chunk's), W where ``store_w``."""
     # W masked off where it is not stored (store_w): neither K nor gam is read there
     # (masks rather than a branch around W: the branch doubled the spills, sm_90a)
     m_sw = (o_t * 0 + store_w.to(tl.int32)) > 0

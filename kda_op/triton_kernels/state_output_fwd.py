@@ -40,7 +40,13 @@ def kda_state_output_fwd_kernel(
     BF16_DOTS: tl.constexpr = False, OUTPUT_BF16_DOTS: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, V_FIRST: tl.constexpr = False,
     COMPACT_STATES: tl.constexpr = False, GLAST_AHEAD: tl.constexpr = False,
+    beta=None, tm=None, SOLVE_U: tl.constexpr = False,
 ):
+    # SOLVE_U (settings.FUSED_OUTPUT_SOLVE_U): ``w`` holds Kb = diag(beta) K exp(gam) and ``u``
+    # is V itself (the inputs' v), ``tm`` Tm = (I + diag(beta) A_kk)^-1 and ``beta`` beta:
+    # U' = U - W S = Tm (diag(beta) V - Kb S) is formed here, one more dot a chunk, so that
+    # neither W nor U is written by intra_wu_fwd and read back (64 of its 76 KB a chunk and
+    # head at K = V = 128, bf16).
     # STORE_STATES: the state entering every chunk (and the final one, unless
     # COMPACT_STATES) into chunk_states, laid out as state_fwd.py lays them out.
     # STORE_UP: U' into up (kept for the backward).
@@ -62,6 +68,9 @@ def kda_state_output_fwd_kernel(
     up += (bos * HV + i_hv) * V
     o += (bos * HV + i_hv) * V
     chunk_states += (s_0 * HV + i_hv) * K * V
+    if SOLVE_U:
+        beta += bos * HV + i_hv
+        tm += (bos * HV + i_hv) * BT
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk boundary to the next
 
     o_k, m_k, o_v, m_v, m_kv, state_off = state_tile(i_v, K, V, BK, BV)
@@ -92,6 +101,10 @@ def kda_state_output_fwd_kernel(
             m_t = o_r < T
             m_tv = m_t[:, None] & m_v[None, :]
             b_u = tl.load(u + row_v, mask=m_tv, other=0.0).to(tl.float32)
+            if SOLVE_U:  # U = Tm diag(beta) V
+                b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
+                b_tm = tl.load(tm + row_a, mask=m_t[:, None], other=0.0)
+                b_u = dot(b_tm, b_beta[:, None] * b_u, BF16_DOTS, DOT_PREC, INTERPRET)
             if STORE_UP:
                 tl.store(up + row_v, as_stored(b_u, up, INTERPRET), mask=m_tv)
             b_a = tl.where(causal, tl.load(aqk + row_a, mask=m_t[:, None], other=0.0), 0.0)
@@ -128,7 +141,13 @@ def kda_state_output_fwd_kernel(
         # A_qk under its row mask, its upper triangle zeroed after the load (as state_bwd.py's
         # AQK_ROW_MASK): under the causal mask the load goes element by element on sm_90a
         b_a = tl.where(causal, tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None], other=0.0), 0.0)
-        b_up = b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
+        if SOLVE_U:  # U' = Tm (diag(beta) V - Kb S); b_w is Kb, b_u is V
+            b_beta = tl.load(beta + (r0 + o_r) * HV, mask=m_t, other=0.0).to(tl.float32)
+            b_tm = tl.load(tm + r0 * (HV * BT) + row_a, mask=m_t[:, None], other=0.0)
+            b_up = dot(b_tm, b_beta[:, None] * b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET),
+                       BF16_DOTS, DOT_PREC, INTERPRET)
+        else:
+            b_up = b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET)
         if STORE_UP:
             tl.store(up + r0 * (HV * V) + row_v, as_stored(b_up, up, INTERPRET), mask=m_tv)
         # in output_fwd.py's order (A_qk U' first): the same sums, bit for bit
