@@ -729,6 +729,9 @@ def test_triton_scan_writing_the_output_gives_the_bits_of_scan_then_output(packe
 
     _fused_scan_at_small_sizes(monkeypatch, launch)  # FUSED_OUTPUT is set below, each way in turn
     monkeypatch.setattr(settings, "BV_OUTPUT", FUSED_SCAN_BV)  # the scan's V block = the output's
+    # W and U through memory in the no-grad forward too: the same sums as the scan then the
+    # output (U' from Tm: test_triton_scan_solving_u_matches_the_scan_reading_w_and_u)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_SOLVE_U", 0)
     launches, fused_configs = [], set()
     for name in ("kda_output_fwd_kernel", "kda_state_fwd_kernel"):
         _on_launch(monkeypatch, fwd, name, lambda kw, name=name: launches.append(name))

@@ -667,8 +667,12 @@ FUSED_OUTPUT_GLAST_AHEAD = 1
 # stores it in bf16 (8 KB a chunk and head) instead of reading Kb and V and writing W and U
 # (64 KB at K = V = 128); the scan reads Kb, V and Tm instead of W and U, one more dot a
 # chunk. The same sums in another order, Tm rounded to bf16 as fla keeps its inverse.
-# Built 2026-12-07 (forty-first session): 0 until timed.
-FUSED_OUTPUT_SOLVE_U = 0
+# On an H100 (2026-12-07, ours alone, two rounds, bench_chunk_kda.py --kernels): forward
+# B8-T8192-H16 2.420 -> 2.219 ms (intra_wu_fwd 0.613 -> 0.298, the fused scan 0.732 ->
+# 0.838), B2-T8192-H8-HV32 1.289 -> 1.179 (0.318 -> 0.155; 0.434 -> 0.491), B2 layer-style
+# 1.585 -> 1.496; B1-T32768-H16 (no fused scan there) and the training step unchanged; o
+# within 3.3e-3 of the W/U scan's at B2 and B8 (relative norm), the final state 2.9e-3.
+FUSED_OUTPUT_SOLVE_U = 1
 # The whole forward in one launch (one_pass_fwd.py; 1): one program per (V block, sequence *
 # value head) walks its chunks and forms gam, the A's, Tm, U', the output and the state on
 # chip, reading q, k, v, g, beta and writing o (and the chunk states where kept), instead of
