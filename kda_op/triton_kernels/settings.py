@@ -661,7 +661,8 @@ FUSED_OUTPUT_ONE_WAVE_STAGES = 2
 # is used and of scan-then-output, the same from run to run; B8-T8192-H16 forward 2.783 ->
 # 2.747 ms (the fused scan 0.760 -> 0.724), step 12.661 -> 12.634 (ours alone, two rounds).
 FUSED_OUTPUT_GLAST_AHEAD = 1
-# Where the scan that writes the output serves a forward that keeps nothing and Kb is handed
+# Where the scan that writes the output serves a forward that keeps no intermediates (no grad,
+# recompute_in_backward=True: its chunk states then come from this form) and Kb is handed
 # on in W's buffer (INTRA_A_GAM_ON_CHIP, INTRA_A_ROWS_KBG; bf16 inputs), that scan forms
 # U' = U - W S as Tm (diag(beta) V - Kb S) itself (1): intra_wu_fwd then forms Tm alone and
 # stores it in bf16 (8 KB a chunk and head) instead of reading Kb and V and writing W and U
