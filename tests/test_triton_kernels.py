@@ -2588,8 +2588,8 @@ def test_triton_scan_solving_u_matches_the_scan_reading_w_and_u(case, launch, mo
     before. Cases: an initial state (every chunk in the loop); none, with fla's bounded
     gate (the row programs' Kb; the first chunk U = Tm diag(beta) V out of the loop); packed
     sequences (an empty one, none so short that their tiles take K and gam through memory)
-    into a state pool, a negative slot among them (the prefill). A kept forward, and the scan then the output
-    kernel, form W and U as before."""
+    into a state pool, a negative slot among them (the prefill). A kept forward forms W and
+    U as before; a bad setting is refused."""
     from kda_op.triton_kernels import fwd, kda_chunk_pool_triton, settings
 
     _fused_scan_at_small_sizes(monkeypatch, launch)

@@ -195,7 +195,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     # the register cap was measured on the two-warp bf16 path only
     wu_cap = S.INTRA_WU_FWD_MAXNREG if two_warp_bf16 else None
     # Tm alone (bf16), the scan forming U' from it (settings.FUSED_OUTPUT_SOLVE_U)
-    tm_only = solve_u and fresh and not traced and (on_chip or rows_kbg) and _solve_u_serves(s, w)
+    tm_only = solve_u and _solve_u_serves(s, w, kb_handed=on_chip or rows_kbg, fresh=fresh, traced=traced)
     if tm_only:
         u = out["u"] = v  # the scan reads V where it would read U (the unused buffer goes)
         tm = torch.empty(B, T, HV, BT, device=q.device, dtype=torch.bfloat16)
@@ -214,15 +214,16 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     return x
 
 
-def _solve_u_serves(s: dict, w: Tensor) -> bool:
+def _solve_u_serves(s: dict, w: Tensor, kb_handed: bool, fresh: bool, traced: bool) -> bool:
     """Whether the scan that writes the output forms U' = Tm (diag(beta) V - Kb S) itself
     (settings.FUSED_OUTPUT_SOLVE_U, state_output_fwd.py's SOLVE_U), intra_wu_fwd then
-    forming Tm alone (bf16): where that scan serves (_fused_output_launch) and, as the
-    caller (_intra_fwd) checks, Kb is handed on in W's buffer (gam on chip, or the row
-    programs' Kb), nothing is kept and the launches are not traced."""
+    forming Tm alone (bf16): where Kb is handed on in W's buffer (``kb_handed``: gam on
+    chip, or the row programs' Kb), the intermediates are this call's own (``fresh``: none
+    kept), the launches are not traced, and that scan serves (_fused_output_launch)."""
     if S.FUSED_OUTPUT_SOLVE_U not in (0, 1):
         raise ValueError(f"settings.FUSED_OUTPUT_SOLVE_U: expected 0 or 1, got {S.FUSED_OUTPUT_SOLVE_U!r}")
-    return bool(S.FUSED_OUTPUT_SOLVE_U) and _fused_output_launch(s, {"w": w}) is not None
+    return (bool(S.FUSED_OUTPUT_SOLVE_U) and kb_handed and fresh and not traced
+            and _fused_output_launch(s, {"w": w}) is not None)
 
 
 def _rows_kbg_serves(store_tm: bool, input_dtype: torch.dtype) -> bool:

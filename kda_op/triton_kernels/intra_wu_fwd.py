@@ -5,6 +5,8 @@ One program per (chunk, batch * value head). From A_kk and gam (intra_a_fwd.py):
   W  = Tm diag(beta) (K * exp(gam))            [B, T, HV, K]  (the scans' operand dtype; with KBG_IN
                                                its right-hand side Kb read as intra_a_fwd.py stored it)
   U  = Tm diag(beta) V                         [B, T, HV, V]  (fp32)
+With TM_ONLY (settings.FUSED_OUTPUT_SOLVE_U) Tm alone, in tm's dtype (bf16): the scan that
+writes the output then forms U' from it (state_output_fwd.py's SOLVE_U).
 """
 
 from __future__ import annotations
