@@ -48,8 +48,12 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
         options["maxnreg"] = S.INTRA_A_FWD_MAXNREG
     if fn.__name__ == "kda_recurrent_fwd_kernel" and S.RECURRENT_MAXNREG:
         options["maxnreg"] = S.RECURRENT_MAXNREG
-    if fn.__name__ == "kda_intra_fused_fwd_kernel" and S.INTRA_FUSED_MAXNREG and constexprs.get("DOT_PREC") == "tf32":
-        options["maxnreg"] = S.INTRA_FUSED_MAXNREG
+    if fn.__name__ == "kda_intra_fused_fwd_kernel":
+        if constexprs.get("TM_ONLY"):  # (bf16 inputs only: fwd._intra_fused_tm_serves)
+            if S.INTRA_FUSED_TM_ONLY_MAXNREG:
+                options["maxnreg"] = S.INTRA_FUSED_TM_ONLY_MAXNREG
+        elif S.INTRA_FUSED_MAXNREG and constexprs.get("DOT_PREC") == "tf32":
+            options["maxnreg"] = S.INTRA_FUSED_MAXNREG
     if fn.__name__ == "kda_intra_a_fwd_rows_kernel" and S.INTRA_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_A_ROWS_MAXNREG
     if fn.__name__ == "kda_intra_wu_fwd_kernel" and S.INTRA_WU_FWD_MAXNREG and num_warps == S.INTRA_WU_FWD_WARPS_BF16:
@@ -255,19 +259,22 @@ def main(argv: list[str] | None = None) -> int:
                 BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16"),
            S.INTRA_WU_FWD_WARPS_BF16 if args.dtype == "bf16" and s["BK"] <= 128 else S.INTRA_WU_FWD_WARPS, 3)
           for keep in (True, False)],
-        # the intra-chunk stage in one launch (settings.INTRA_FUSED_FWD), and intra_wu_fwd's
-        # launch for the steep chunks that it leaves (ONLY_STEEP)
+        # the intra-chunk stage in one launch (settings.INTRA_FUSED_FWD; its TM_ONLY form,
+        # INTRA_FUSED_TM_ONLY, on bf16 inputs), and intra_wu_fwd's launch for the steep chunks
+        # that it leaves (ONLY_STEEP)
         *[(intra_fused_fwd.kda_intra_fused_fwd_kernel,
          dict(**vl_chunk, q=x, k=x, v=x, g=graw, beta=x, gam=f32, aqk=aq, steep="*i32", qg=op, kr=op, w=op, u=res,
-              akk=f32, tm=f32, **gate_sig, scale=scale_type, **ints),
+              akk=f32, tm="*bf16" if tm_only else f32, **gate_sig, scale=scale_type, **ints),
          dict(common, **varlen, **gate, NONPOSITIVE=row_spreads,
               BLOCK_REFS=bool(S.INTRA_A_BLOCK_REFS) and (S.INTRA_FUSED_BLOCK_REFS == 2
                                                          or (S.INTRA_FUSED_BLOCK_REFS == 1 and args.gate > 0)),
               BC=BC, BKA=S.INTRA_FUSED_BKA, BK=S.INTRA_FUSED_BK, BV=S.INTRA_FUSED_BV,
               DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, FAST_EXP=bool(S.FAST_EXP),
               DIAG_INV_METHOD=S.INTRA_FUSED_DIAG_INV if args.dtype != "fp32" else 0,
-              BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16", STORE_TM=keep),
-         S.INTRA_FUSED_WARPS, S.INTRA_FUSED_STAGES) for keep in (False, True)],
+              BF16_DOTS=S.WU_BF16_DOTS and args.dtype == "bf16", STORE_TM=keep, TM_ONLY=tm_only),
+         S.INTRA_FUSED_TM_ONLY_WARPS if tm_only else S.INTRA_FUSED_WARPS,
+         S.INTRA_FUSED_TM_ONLY_STAGES if tm_only else S.INTRA_FUSED_STAGES)
+          for keep, tm_only in ((False, False), (True, False)) + (((False, True),) if args.dtype == "bf16" else ())],
         (intra_wu_fwd.kda_intra_wu_fwd_kernel,
          dict(**vl_chunk, k=x, v=x, beta=x, gam=f32, akk=f32, dinv=f32, w=op, u=res, tm=f32, steep="*i32", **ints),
          dict(common, **varlen, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"], STORE_TM=False,

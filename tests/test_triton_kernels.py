@@ -2644,3 +2644,90 @@ def test_triton_scan_solving_u_matches_the_scan_reading_w_and_u(case, launch, mo
     monkeypatch.setattr(settings, "FUSED_OUTPUT_SOLVE_U", 2)
     with pytest.raises(ValueError, match="FUSED_OUTPUT_SOLVE_U"):
         kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
+
+
+@pytest.mark.parametrize("case", ["h0", "no_h0_steep", "packed_pool", "lb_gate"])
+def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, monkeypatch):
+    """settings.INTRA_FUSED_TM_ONLY: where the scan forms U' from Tm (FUSED_OUTPUT_SOLVE_U), the
+    intra-chunk stage runs as one launch of intra_fused_fwd's TM_ONLY form (gam, the A's and Tm
+    on chip; Qg, Kr, Kb, A_qk and Tm in bf16 stored) instead of intra_a_fwd, diag_inv and
+    intra_wu_fwd's Tm-only launch. o and the final state agree with those launches' and with the
+    fp32 reference. Cases: an initial state; none, with a second chunk too steep to split (its
+    A's by the steep launch, its Tm by intra_wu_fwd's ONLY_STEEP Tm-only launch); packed
+    sequences into a state pool; fla's bounded gate where INTRA_FUSED_WITH_GATE lets the fused
+    stage take it (its block references; no steep launch). A kept forward forms W and U in the
+    four launches; a bad setting is refused."""
+    from kda_op.triton_kernels import fwd, kda_chunk_pool_triton, settings
+    from test_one_pass_fwd import _python_paths
+
+    _fused_scan_at_small_sizes(monkeypatch)
+    _four_launch_intra(monkeypatch)
+    monkeypatch.setattr(settings, "FUSED_OUTPUT_SOLVE_U", 1)
+    seen = {name: [] for name in ("fused", "a", "diag_inv", "wu", "scan")}
+    _on_launch(monkeypatch, fwd, "kda_intra_fused_fwd_kernel", lambda kw: seen["fused"].append(kw["TM_ONLY"]))
+    _on_launch(monkeypatch, fwd, "kda_intra_a_fwd_kernel", lambda kw: seen["a"].append(1))
+    _on_launch(monkeypatch, fwd, "kda_intra_a_fwd_rows_kernel", lambda kw: seen["a"].append(1))
+    _on_launch(monkeypatch, fwd, "kda_diag_inv_kernel", lambda kw: seen["diag_inv"].append(1))
+    _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel",
+               lambda kw: seen["wu"].append((kw["TM_ONLY"], kw["ONLY_STEEP"])))
+    _on_launch(monkeypatch, fwd, "kda_state_output_fwd_kernel", lambda kw: seen["scan"].append(kw.get("SOLVE_U")))
+    packed = case == "packed_pool"
+    (q, k, v, g, beta), h0, cu, cu_d, args = _bf16_scan_problem(packed, case == "h0", [260, 0, 190],
+                                                                (99, 0.3) if packed else (100, None))
+    gate = None
+    if case == "no_h0_steep":
+        g = g.clone()
+        g[:, CHUNK_SIZE:2 * CHUNK_SIZE] -= 9.0
+        assert _python_paths(g) == [0, 2, 0]  # the second chunk: neither split nor block references
+        args[3] = g.to(DEVICE)
+    if case == "lb_gate":
+        monkeypatch.setattr(settings, "INTRA_FUSED_WITH_GATE", 1)
+        gen = torch.Generator().manual_seed(101)
+        g = torch.randn(g.shape, generator=gen)  # the raw gate
+        args[3] = g.to(DEVICE)
+        gate = (torch.randn(2, generator=gen).to(DEVICE), torch.randn(2 * 48, generator=gen).to(DEVICE), -5.0)
+    results = []
+    for fused in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_FUSED_TM_ONLY", fused)
+        for launches in seen.values():
+            launches.clear()
+        if packed:
+            gen = torch.Generator().manual_seed(102)
+            pool = torch.randn(8, v.shape[2], k.shape[3], v.shape[3], generator=gen).to(DEVICE)
+            slots = torch.tensor([5, -1, 0], device=DEVICE)
+            o = kda_chunk_pool_triton(*args[:6], pool, slots, False, cu_seqlens=cu_d)
+            results.append((o, pool[slots.clamp_min(0)]))
+        else:
+            o, ht, _, _ = kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
+            results.append((o, ht))
+        assert seen["scan"] == [True], seen
+        if fused:
+            assert seen["fused"] == [True] and seen["a"] == [] and seen["diag_inv"] == [], seen
+            # the steep chunks' Tm, unless fla's bounded gate leaves none (fwd._no_steep_launch)
+            assert seen["wu"] == ([] if case == "lb_gate" else [(True, True)]), seen
+        else:
+            assert seen["fused"] == [] and seen["wu"] == [(True, False)], seen
+    for name, a, b in zip(("o", "final state"), *results):
+        a, b = a.float().cpu(), b.float().cpu()
+        assert a.abs().max() > 0.01, name
+        # Tm formed in another order (the diagonal inverses by a product of fp32 dots, not by
+        # substitution), then rounded to bf16 (2^-9 relative) as before
+        assert (a - b).norm() <= 5e-3 * a.norm(), (name, ((a - b).norm() / a.norm()).item())
+    if case == "lb_gate":
+        from kda_op.ops import _reference_fwd
+
+        ref_gate = tuple(t.cpu() if torch.is_tensor(t) else t for t in gate)
+        want = _reference_fwd(q.float(), k.float(), v.float(), g, beta.float(), None, None, ref_gate, None)[0]
+    elif not packed:
+        want = _reference_o(*(t.float() for t in (q, k, v, g, beta)), h0, cu)
+    if not packed:
+        # bf16 operands, Tm, Kb, Qg, Kr and A_qk rounded to bf16 (2^-9 relative each)
+        assert (results[1][0].cpu().float() - want).norm() <= 1e-2 * want.norm()
+    # a forward that keeps its intermediates: the four launches, W and U
+    for launches in seen.values():
+        launches.clear()
+    kda_fwd_triton(*args, True, gate=gate, cu_seqlens=cu_d)
+    assert seen["fused"] == [] and seen["wu"] == [(False, False)], seen
+    monkeypatch.setattr(settings, "INTRA_FUSED_TM_ONLY", 2)
+    with pytest.raises(ValueError, match="INTRA_FUSED_TM_ONLY"):
+        kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)

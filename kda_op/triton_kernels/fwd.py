@@ -108,6 +108,14 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM
     common = dict(H=s["H"], HV=HV, K=K, BT=BT, DOT_PREC=prec, MAX_SPLIT=MAX_SPLIT, IS_VARLEN=s["IS_VARLEN"])
+    if (solve_u and _intra_fused_tm_serves(s, gate, traced, q.dtype)
+            and _solve_u_serves(s, w, kb_handed=True, fresh=fresh, traced=traced)):
+        # the fused stage's TM_ONLY form for the scan that forms U' (settings.INTRA_FUSED_TM_ONLY):
+        # Kb into W's buffer, Tm alone (bf16)
+        tm = torch.empty(B, T, HV, BT, device=q.device, dtype=torch.bfloat16)
+        _intra_fused_fwd(q, k, v, g, beta, scale, s, out, prec, common, traced, _gate_args(gate, g), store_tm,
+                         qg_first, kr_last, w_first, tm_only=tm)
+        return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=v, tm=None, steep=steep, qg=qg, kr=kr, tm_solve=tm, beta=beta)
     if _intra_fused_serves(s, store_tm, gate, traced):
         _intra_fused_fwd(q, k, v, g, beta, scale, s, out, prec, common, traced, _gate_args(gate, g), store_tm,
                          qg_first, kr_last, w_first)
@@ -277,25 +285,44 @@ def _steep_a_fwd(q, k, gam, akk, aqk, steep, scale, s: dict, common: dict, trace
     )
 
 
+def _check_intra_fused_settings() -> None:
+    """The fused stage's settings that the kernel would otherwise misread, refused by name."""
+    if S.INTRA_FUSED_FWD not in (0, 1, 2):
+        raise ValueError(f"settings.INTRA_FUSED_FWD: expected 0, 1 or 2, got {S.INTRA_FUSED_FWD!r}")
+    if S.INTRA_FUSED_TM_ONLY not in (0, 1):
+        raise ValueError(f"settings.INTRA_FUSED_TM_ONLY: expected 0 or 1, got {S.INTRA_FUSED_TM_ONLY!r}")
+    if S.INTRA_FUSED_BLOCK_REFS not in (0, 1, 2):
+        raise ValueError(f"settings.INTRA_FUSED_BLOCK_REFS: expected 0, 1 or 2, got {S.INTRA_FUSED_BLOCK_REFS!r}")
+    if S.INTRA_FUSED_DIAG_INV not in (0, 1):
+        raise ValueError(f"settings.INTRA_FUSED_DIAG_INV: expected 0 or 1, got {S.INTRA_FUSED_DIAG_INV!r}")
+
+
 def _intra_fused_serves(s: dict, store_tm: bool, gate: Optional[tuple], traced: bool) -> bool:
     """Whether the intra-chunk stage runs as one launch (settings.INTRA_FUSED_FWD,
     intra_fused_fwd.py): where nothing is kept for the backward (1), or also where Tm
     is (2: the forward that keeps its intermediates, the backward's recompute); not on
     short packed sequences (their tiles); with fla's gate only where
     INTRA_FUSED_WITH_GATE (slower there: settings.py)."""
-    if S.INTRA_FUSED_FWD not in (0, 1, 2):
-        raise ValueError(f"settings.INTRA_FUSED_FWD: expected 0, 1 or 2, got {S.INTRA_FUSED_FWD!r}")
-    if S.INTRA_FUSED_BLOCK_REFS not in (0, 1, 2):
-        raise ValueError(f"settings.INTRA_FUSED_BLOCK_REFS: expected 0, 1 or 2, got {S.INTRA_FUSED_BLOCK_REFS!r}")
-    if S.INTRA_FUSED_DIAG_INV not in (0, 1):
-        raise ValueError(f"settings.INTRA_FUSED_DIAG_INV: expected 0 or 1, got {S.INTRA_FUSED_DIAG_INV!r}")
+    _check_intra_fused_settings()
     short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
     return (bool(S.INTRA_FUSED_FWD) and (S.INTRA_FUSED_FWD == 2 or not store_tm) and not short_tiles
             and (gate is None or bool(S.INTRA_FUSED_WITH_GATE)))
 
 
+def _intra_fused_tm_serves(s: dict, gate: Optional[tuple], traced: bool, input_dtype: torch.dtype) -> bool:
+    """Whether, where the scan forms U' from Tm (the caller also asks _solve_u_serves), the
+    intra-chunk stage runs as the fused stage's TM_ONLY launch (settings.INTRA_FUSED_TM_ONLY):
+    on bf16 inputs (Kb and Tm in bf16), not on short packed sequences (their tiles), with
+    fla's gate only where INTRA_FUSED_WITH_GATE."""
+    _check_intra_fused_settings()
+    short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
+    return (bool(S.INTRA_FUSED_TM_ONLY) and input_dtype == torch.bfloat16 and not short_tiles
+            and (gate is None or bool(S.INTRA_FUSED_WITH_GATE)))
+
+
 def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, common: dict, traced: bool, ga: dict,
-                     store_tm: bool, qg_first: bool, kr_last: bool, w_first: bool) -> None:
+                     store_tm: bool, qg_first: bool, kr_last: bool, w_first: bool,
+                     tm_only: Optional[Tensor] = None) -> None:
     """_intra_fwd's work in one launch (intra_fused_fwd.py) into ``out``'s tensors; the
     steep chunks it flags 2 then through the steep launch (their A's) and intra_wu_fwd's
     ONLY_STEEP launch (their Tm, W and U), which do not run where no chunk can be
@@ -303,10 +330,19 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
     the gate's arguments (_host._gate_args). gam holds each chunk's last row (the scan's
     decay), and a steep chunk's every row; A_kk only steep chunks'. fp32 inputs take the
     diagonal inverses by substitution whatever INTRA_FUSED_DIAG_INV says (the product's
-    cancellations cost them two digits: tests/test_intra_fused_fwd.py)."""
+    cancellations cost them two digits: tests/test_intra_fused_fwd.py). ``tm_only``: the
+    TM_ONLY form (_intra_fused_tm_serves) into this bf16 [B, T, HV, BT] Tm, Kb into W's
+    buffer, neither W nor U (the steep chunks' Tm by intra_wu_fwd's TM_ONLY alike)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
     tm = out["tm"] if store_tm else _stand_in(akk, traced)  # a stand-in without STORE_TM, never written
+    if tm_only is not None:
+        tm = tm_only
+        warps, stages, cap = S.INTRA_FUSED_TM_ONLY_WARPS, S.INTRA_FUSED_TM_ONLY_STAGES, S.INTRA_FUSED_TM_ONLY_MAXNREG
+    else:
+        # the cap was timed on bf16 inputs; fp32 ones (fp32 operands) spill 3.3 KB under it
+        warps, stages = S.INTRA_FUSED_WARPS, S.INTRA_FUSED_STAGES
+        cap = S.INTRA_FUSED_MAXNREG if q.dtype != torch.float32 else None
     # fla's gate forms (softplus; lower_bound <= 0) make every log decay <= 0
     nonpositive = ga["GATE"] == 1 or (ga["GATE"] == 2 and ga["lower_bound"] <= 0)
     # the kernel's own block references (settings.INTRA_FUSED_BLOCK_REFS)
@@ -320,10 +356,8 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
         BF16_DOTS=s["WU_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], QG_FIRST=qg_first, KR_LAST=kr_last, W_FIRST=w_first,
         FAST_EXP=_fast_exp(), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
-        BLOCK_REFS=block_refs, NONPOSITIVE=nonpositive, STORE_TM=store_tm,
-        num_warps=S.INTRA_FUSED_WARPS, num_stages=S.INTRA_FUSED_STAGES,
-        # the cap was timed on bf16 inputs; fp32 ones (fp32 operands) spill 3.3 KB under it
-        **(dict(maxnreg=S.INTRA_FUSED_MAXNREG) if S.INTRA_FUSED_MAXNREG and q.dtype != torch.float32 else {}),
+        BLOCK_REFS=block_refs, NONPOSITIVE=nonpositive, STORE_TM=store_tm, TM_ONLY=tm_only is not None,
+        num_warps=warps, num_stages=stages, **(dict(maxnreg=cap) if cap else {}),
     )
     if block_refs and _no_steep_launch(ga):  # fla's bounded gate: every chunk split or by block references here
         return
@@ -333,7 +367,8 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
         H=s["H"], HV=HV, K=K, V=V, BT=BT, BC=BC, BK=S.INTRA_WU_BK or s["BK"], BV=S.INTRA_WU_BV or s["BV"],
         STORE_TM=store_tm, DOT_PREC=prec, TM_ROW_LOADS=S.TM_ROW_LOADS, BF16_DOTS=s["WU_BF16_DOTS"],
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], W_FIRST=w_first, FAST_EXP=_fast_exp(),
-        steep=steep, ONLY_STEEP=True, kbg=_stand_in(w, traced), KBG_IN=False, num_warps=4,
+        steep=steep, ONLY_STEEP=True, kbg=_stand_in(w, traced), KBG_IN=False, TM_ONLY=tm_only is not None,
+        num_warps=4,
     )
 
 

@@ -20,6 +20,11 @@ STORE_TM (kept intermediates) also gam, A_kk and Tm, 1 KB more.
   pass 2, over K slices of BK: gam again from g (a cumsum of what pass 1 read, in
           cache), W = Tm diag(beta) (K exp(gam)); over V blocks of BV, U = Tm
           diag(beta) V.
+TM_ONLY (settings.INTRA_FUSED_TM_ONLY): for the scan that forms U' = Tm (diag(beta) V -
+Kb S) itself (settings.FUSED_OUTPUT_SOLVE_U), pass 1 also stores Kb = diag(beta) K
+exp(gam) in W's place and Tm is stored in bf16; no pass 2. What the four launches'
+form of that (intra_a_fwd, diag_inv, intra_wu_fwd's TM_ONLY) passes through memory,
+A_kk in fp32 and the diagonal inverses, stays on chip.
 
 A chunk whose gam strays more than MAX_SPLIT from its middle row takes each
 16-row block's middle row as the reference of the block's rows (steep flag 1,
@@ -131,10 +136,13 @@ def kda_intra_fused_fwd_kernel(
     QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True, W_FIRST: tl.constexpr = True,
     FAST_EXP: tl.constexpr = False, GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False, NONPOSITIVE: tl.constexpr = False,
-    STORE_TM: tl.constexpr = False,
+    STORE_TM: tl.constexpr = False, TM_ONLY: tl.constexpr = False,
 ):
     # STORE_TM (a forward that keeps its intermediates, the backward's recompute):
     # also the whole gam, A_kk and Tm, as the four launches keep them.
+    # TM_ONLY (settings.INTRA_FUSED_TM_ONLY, for the scan that forms U' itself:
+    # settings.FUSED_OUTPUT_SOLVE_U): Kb = diag(beta) K exp(gam) into ``w`` in pass 1 and
+    # Tm in ``tm``'s dtype (bf16), no pass 2 (neither W nor U).
     # GATE, HAS_A, HAS_BIAS: fla's in-kernel gate (_gate.py): g is the raw gate.
     # BLOCK_REFS (settings.INTRA_A_BLOCK_REFS): a chunk too steep to split at its middle
     # row whose 16-row blocks each stay within MAX_SPLIT of their middle rows, and whose
@@ -185,6 +193,7 @@ def kda_intra_fused_fwd_kernel(
     b_gmax = tl.zeros([BT, BKA], dtype=tl.float32)  # BLOCK_REFS, not NONPOSITIVE: the largest log decay
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
+    b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
     for i_s in range(tl.cdiv(K, BKA)):
         o_k, m_k, m_tk, p_tk, b_g, b_gam = _gam_slice(g, i_s, m_t, A_log, dt_bias, lower_bound, i_hv, HV, K, BT, BKA,
                                                       GATE, HAS_A, HAS_BIAS)
@@ -208,6 +217,10 @@ def kda_intra_fused_fwd_kernel(
         if store_kr:
             tl.store(kr + p_tk, as_stored(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), kr,
                                           INTERPRET).to(kr.dtype.element_ty), mask=m_tk)
+        if TM_ONLY:
+            if store_w:  # Kb, what the scan reads where it would read W
+                tl.store(w + p_tk, as_stored(b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), w,
+                                             INTERPRET).to(w.dtype.element_ty), mask=m_tk)
         b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
     spread = tl.max(tl.max(b_spread, 1), 0)
     if BLOCK_REFS:
@@ -232,28 +245,30 @@ def kda_intra_fused_fwd_kernel(
         tl.store(aqk + p_a, as_stored(tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), aqk,
                                       INTERPRET).to(aqk.dtype.element_ty), mask=m_t[:, None])
         # M = diag(beta) A_kk, strictly lower (entries above the diagonal may be inf: dropped)
-        b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
         b_m = tl.where(o_r[:, None] > o_r[None, :], b_beta[:, None] * b_akk, 0.0)
         b_tm = tm_from_block_inverses(b_m, diag_block_inverses(b_m, BT, BC, DIAG_INV_METHOD), BT, BC, DOT_PREC)
         if STORE_TM:
             tl.store(akk + p_a, as_stored(tl.where(o_r[:, None] > o_r[None, :], b_akk, 0.0), akk,
                                           INTERPRET).to(akk.dtype.element_ty), mask=m_t[:, None])
             tl.store(tm + p_a, b_tm, mask=m_t[:, None])
-        # pass 2: W's columns in K slices of BK (gam formed again from g: in cache), U's in V blocks
-        m_sw = m_t & ((o_r * 0 + store_w.to(tl.int32)) > 0)
-        for i_k in range(tl.cdiv(K, BK)):
-            o_k, m_k, m_wk, p_tk, b_g, b_gam = _gam_slice(g, i_k, m_sw, A_log, dt_bias, lower_bound, i_hv, HV, K, BT,
-                                                          BK, GATE, HAS_A, HAS_BIAS)
-            b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
-            b_w = dot(b_tm, b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), BF16_DOTS, DOT_PREC, INTERPRET)
-            tl.store(w + p_tk, as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty), mask=m_wk)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            p_v = (o_r[:, None]) * (HV * V) + o_v[None, :]
-            b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-            b_u = dot(b_tm, b_beta[:, None] * b_v, BF16_DOTS, DOT_PREC, INTERPRET)
-            tl.store(u + p_v, as_stored(b_u, u, INTERPRET).to(u.dtype.element_ty), mask=m_tv)
+        if TM_ONLY:
+            tl.store(tm + p_a, as_stored(b_tm, tm, INTERPRET).to(tm.dtype.element_ty), mask=m_t[:, None])
+        else:
+            # pass 2: W's columns in K slices of BK (gam formed again from g: in cache), U's in V blocks
+            m_sw = m_t & ((o_r * 0 + store_w.to(tl.int32)) > 0)
+            for i_k in range(tl.cdiv(K, BK)):
+                o_k, m_k, m_wk, p_tk, b_g, b_gam = _gam_slice(g, i_k, m_sw, A_log, dt_bias, lower_bound, i_hv, HV, K,
+                                                              BT, BK, GATE, HAS_A, HAS_BIAS)
+                b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_k[None, :], mask=m_wk, other=0.0).to(tl.float32)
+                b_w = dot(b_tm, b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), BF16_DOTS, DOT_PREC, INTERPRET)
+                tl.store(w + p_tk, as_stored(b_w, w, INTERPRET).to(w.dtype.element_ty), mask=m_wk)
+            for i_v in range(tl.cdiv(V, BV)):
+                o_v = i_v * BV + tl.arange(0, BV)
+                m_tv = m_t[:, None] & (o_v < V)[None, :]
+                p_v = (o_r[:, None]) * (HV * V) + o_v[None, :]
+                b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+                b_u = dot(b_tm, b_beta[:, None] * b_v, BF16_DOTS, DOT_PREC, INTERPRET)
+                tl.store(u + p_v, as_stored(b_u, u, INTERPRET).to(u.dtype.element_ty), mask=m_tv)
     elif not STORE_TM:  # (STORE_TM: stored in pass 1)
         # steep: the whole gam of the chunk for the steep launch and intra_wu_fwd's ONLY_STEEP launch
         for i_s in range(tl.cdiv(K, BKA)):

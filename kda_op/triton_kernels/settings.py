@@ -739,6 +739,18 @@ INTRA_FUSED_BV = 32
 INTRA_FUSED_WARPS = 4
 INTRA_FUSED_STAGES = 2
 INTRA_FUSED_MAXNREG = 168
+# Where the scan forms U' from Tm (FUSED_OUTPUT_SOLVE_U serves: a forward that keeps nothing,
+# bf16 inputs, not traced) and the intra-chunk stage would run as intra_a_fwd with gam on chip,
+# diag_inv and intra_wu_fwd's Tm-only launch, the fused stage in its TM_ONLY form instead (1):
+# one program a chunk and head forms gam, the A's and Tm on chip and writes Qg, Kr, Kb, A_qk and
+# Tm (bf16), so neither A_kk (fp32, 16 KB a chunk and head at BT = 64) nor the diagonal inverses
+# pass through memory and two launches go. Not with fla's in-kernel gate unless
+# INTRA_FUSED_WITH_GATE, not on short packed sequences' tiles (intra_fused_fwd's own terms).
+# Its launch takes INTRA_FUSED_TM_ONLY_WARPS / _STAGES / _MAXNREG (None: no cap).
+INTRA_FUSED_TM_ONLY = 0
+INTRA_FUSED_TM_ONLY_WARPS = 4
+INTRA_FUSED_TM_ONLY_STAGES = 2
+INTRA_FUSED_TM_ONLY_MAXNREG = 168
 # Rows (of K) per program of the GVA reduction of dq and dk (gva_reduce.py)
 GVA_ROWS = 32
 # Where each key head has one value head (G = 1: nothing to sum), the backward through the
