@@ -419,12 +419,6 @@ def main(argv: list[str] | None = None) -> int:
             fused = [r for r in runs if r[0] is state_output_fwd.kda_state_output_fwd_kernel and not r[2]["HAS_H0"]]
             runs += [(fn, dict(sig, beta=x, tm="*bf16"), dict(const, SOLVE_U=True, HAS_H0=h0), warps, stages)
                      for fn, sig, const, warps, stages in fused for h0 in (False, True)]
-            # ... and forming Qg, Kr and Kb from q, k and g (settings.FUSED_OUTPUT_FORM_OPERANDS),
-            # at the one-wave launch
-            solve = runs[-2:]
-            runs += [(fn, dict(sig, q=x, k=x, g=f32, scale="fp32"), dict(const, FORM_OPERANDS=True,
-                                                                         FAST_EXP=bool(S.FAST_EXP)), warps, stages)
-                     for fn, sig, const, warps, stages in solve]
     if S.STEEP_WORK_LIST:
         # the steep launches as work lists (settings.STEEP_WORK_LIST)
         for fn in (intra_a_fwd.kda_intra_a_fwd_steep_kernel, intra_bwd_a.kda_intra_bwd_a_kernel):

@@ -2646,9 +2646,8 @@ def test_triton_scan_solving_u_matches_the_scan_reading_w_and_u(case, launch, mo
         kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
 
 
-@pytest.mark.parametrize("form", [0, 1], ids=["operands_read", "operands_formed"])
 @pytest.mark.parametrize("case", ["h0", "no_h0_steep", "packed_pool", "lb_gate"])
-def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, form, monkeypatch):
+def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, monkeypatch):
     """settings.INTRA_FUSED_TM_ONLY: where the scan forms U' from Tm (FUSED_OUTPUT_SOLVE_U), the
     intra-chunk stage runs as one launch of intra_fused_fwd's TM_ONLY form (gam, the A's and Tm
     on chip; Qg, Kr, Kb, A_qk and Tm in bf16 stored) instead of intra_a_fwd, diag_inv and
@@ -2656,28 +2655,22 @@ def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, for
     fp32 reference. Cases: an initial state; none, with a second chunk too steep to split (its
     A's by the steep launch, its Tm by intra_wu_fwd's ONLY_STEEP Tm-only launch); packed
     sequences into a state pool; fla's bounded gate where INTRA_FUSED_WITH_GATE lets the fused
-    stage take it (its block references; no steep launch). With FUSED_OUTPUT_FORM_OPERANDS
-    (``form``) the scan forms Qg, Kr and Kb from q, k, g and beta and the fused stage stores
-    none of them, except under fla's gate (then neither). A kept forward forms W and U in the
-    four launches; bad settings are refused."""
+    stage take it (its block references; no steep launch). A kept forward forms W and U in the
+    four launches; a bad setting is refused."""
     from kda_op.triton_kernels import fwd, kda_chunk_pool_triton, settings
     from test_one_pass_fwd import _python_paths
 
     _fused_scan_at_small_sizes(monkeypatch)
     _four_launch_intra(monkeypatch)
     monkeypatch.setattr(settings, "FUSED_OUTPUT_SOLVE_U", 1)
-    monkeypatch.setattr(settings, "FUSED_OUTPUT_FORM_OPERANDS", form)
-    formed = bool(form) and case != "lb_gate"
     seen = {name: [] for name in ("fused", "a", "diag_inv", "wu", "scan")}
-    _on_launch(monkeypatch, fwd, "kda_intra_fused_fwd_kernel",
-               lambda kw: seen["fused"].append((kw["TM_ONLY"], kw["STORE_OPERANDS"])))
+    _on_launch(monkeypatch, fwd, "kda_intra_fused_fwd_kernel", lambda kw: seen["fused"].append(kw["TM_ONLY"]))
     _on_launch(monkeypatch, fwd, "kda_intra_a_fwd_kernel", lambda kw: seen["a"].append(1))
     _on_launch(monkeypatch, fwd, "kda_intra_a_fwd_rows_kernel", lambda kw: seen["a"].append(1))
     _on_launch(monkeypatch, fwd, "kda_diag_inv_kernel", lambda kw: seen["diag_inv"].append(1))
     _on_launch(monkeypatch, fwd, "kda_intra_wu_fwd_kernel",
                lambda kw: seen["wu"].append((kw["TM_ONLY"], kw["ONLY_STEEP"])))
-    _on_launch(monkeypatch, fwd, "kda_state_output_fwd_kernel",
-               lambda kw: seen["scan"].append((kw.get("SOLVE_U"), kw.get("FORM_OPERANDS", False))))
+    _on_launch(monkeypatch, fwd, "kda_state_output_fwd_kernel", lambda kw: seen["scan"].append(kw.get("SOLVE_U")))
     packed = case == "packed_pool"
     (q, k, v, g, beta), h0, cu, cu_d, args = _bf16_scan_problem(packed, case == "h0", [260, 0, 190],
                                                                 (99, 0.3) if packed else (100, None))
@@ -2707,9 +2700,9 @@ def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, for
         else:
             o, ht, _, _ = kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
             results.append((o, ht))
-        assert seen["scan"] == [(True, formed and bool(fused))], seen
+        assert seen["scan"] == [True], seen
         if fused:
-            assert seen["fused"] == [(True, not formed)] and seen["a"] == [] and seen["diag_inv"] == [], seen
+            assert seen["fused"] == [True] and seen["a"] == [] and seen["diag_inv"] == [], seen
             # the steep chunks' Tm, unless fla's bounded gate leaves none (fwd._no_steep_launch)
             assert seen["wu"] == ([] if case == "lb_gate" else [(True, True)]), seen
         else:
@@ -2738,8 +2731,3 @@ def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, for
     monkeypatch.setattr(settings, "INTRA_FUSED_TM_ONLY", 2)
     with pytest.raises(ValueError, match="INTRA_FUSED_TM_ONLY"):
         kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
-    if case == "h0":
-        monkeypatch.setattr(settings, "INTRA_FUSED_TM_ONLY", 1)
-        monkeypatch.setattr(settings, "FUSED_OUTPUT_FORM_OPERANDS", 2)
-        with pytest.raises(ValueError, match="FUSED_OUTPUT_FORM_OPERANDS"):
-            kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)

@@ -113,14 +113,9 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
         # the fused stage's TM_ONLY form for the scan that forms U' (settings.INTRA_FUSED_TM_ONLY):
         # Kb into W's buffer, Tm alone (bf16)
         tm = torch.empty(B, T, HV, BT, device=q.device, dtype=torch.bfloat16)
-        # ... and the scan forming Qg, Kr and Kb from the inputs (settings.FUSED_OUTPUT_FORM_OPERANDS)
-        form = _form_operands_serves(gate)
         _intra_fused_fwd(q, k, v, g, beta, scale, s, out, prec, common, traced, _gate_args(gate, g), store_tm,
-                         qg_first, kr_last, w_first, tm_only=tm, store_operands=not form)
-        x = dict(gam=gam, akk=akk, aqk=aqk, w=w, u=v, tm=None, steep=steep, qg=qg, kr=kr, tm_solve=tm, beta=beta)
-        if form:
-            x.update(inputs=dict(q=q, k=k, g=g, scale=scale))
-        return x
+                         qg_first, kr_last, w_first, tm_only=tm)
+        return dict(gam=gam, akk=akk, aqk=aqk, w=w, u=v, tm=None, steep=steep, qg=qg, kr=kr, tm_solve=tm, beta=beta)
     if _intra_fused_serves(s, store_tm, gate, traced):
         _intra_fused_fwd(q, k, v, g, beta, scale, s, out, prec, common, traced, _gate_args(gate, g), store_tm,
                          qg_first, kr_last, w_first)
@@ -314,16 +309,6 @@ def _intra_fused_serves(s: dict, store_tm: bool, gate: Optional[tuple], traced: 
             and (gate is None or bool(S.INTRA_FUSED_WITH_GATE)))
 
 
-def _form_operands_serves(gate: Optional[tuple]) -> bool:
-    """Whether the scan that forms U' from Tm, after the fused stage's TM_ONLY launch, also
-    forms Qg, Kr and Kb from q, k, g and beta itself (settings.FUSED_OUTPUT_FORM_OPERANDS),
-    so that the fused stage stores none of them: where g is the log decay as given (no
-    in-kernel gate)."""
-    if S.FUSED_OUTPUT_FORM_OPERANDS not in (0, 1):
-        raise ValueError(f"settings.FUSED_OUTPUT_FORM_OPERANDS: expected 0 or 1, got {S.FUSED_OUTPUT_FORM_OPERANDS!r}")
-    return bool(S.FUSED_OUTPUT_FORM_OPERANDS) and gate is None
-
-
 def _intra_fused_tm_serves(s: dict, gate: Optional[tuple], traced: bool, input_dtype: torch.dtype) -> bool:
     """Whether, where the scan forms U' from Tm (the caller also asks _solve_u_serves), the
     intra-chunk stage runs as the fused stage's TM_ONLY launch (settings.INTRA_FUSED_TM_ONLY):
@@ -337,7 +322,7 @@ def _intra_fused_tm_serves(s: dict, gate: Optional[tuple], traced: bool, input_d
 
 def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, common: dict, traced: bool, ga: dict,
                      store_tm: bool, qg_first: bool, kr_last: bool, w_first: bool,
-                     tm_only: Optional[Tensor] = None, store_operands: bool = True) -> None:
+                     tm_only: Optional[Tensor] = None) -> None:
     """_intra_fwd's work in one launch (intra_fused_fwd.py) into ``out``'s tensors; the
     steep chunks it flags 2 then through the steep launch (their A's) and intra_wu_fwd's
     ONLY_STEEP launch (their Tm, W and U), which do not run where no chunk can be
@@ -347,8 +332,7 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
     diagonal inverses by substitution whatever INTRA_FUSED_DIAG_INV says (the product's
     cancellations cost them two digits: tests/test_intra_fused_fwd.py). ``tm_only``: the
     TM_ONLY form (_intra_fused_tm_serves) into this bf16 [B, T, HV, BT] Tm, Kb into W's
-    buffer, neither W nor U (the steep chunks' Tm by intra_wu_fwd's TM_ONLY alike);
-    ``store_operands=False``: with it, neither Qg, Kr nor Kb (the scan forms them)."""
+    buffer, neither W nor U (the steep chunks' Tm by intra_wu_fwd's TM_ONLY alike)."""
     B, T, HV, K, V, NC = s["B"], s["T"], s["HV"], s["K"], s["V"], s["NC"]
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
     tm = out["tm"] if store_tm else _stand_in(akk, traced)  # a stand-in without STORE_TM, never written
@@ -373,7 +357,6 @@ def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, com
         INTERPRET=_INTERPRET, IS_VARLEN=s["IS_VARLEN"], QG_FIRST=qg_first, KR_LAST=kr_last, W_FIRST=w_first,
         FAST_EXP=_fast_exp(), GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"],
         BLOCK_REFS=block_refs, NONPOSITIVE=nonpositive, STORE_TM=store_tm, TM_ONLY=tm_only is not None,
-        STORE_OPERANDS=store_operands,
         num_warps=warps, num_stages=stages, **(dict(maxnreg=cap) if cap else {}),
     )
     if block_refs and _no_steep_launch(ga):  # fla's bounded gate: every chunk split or by block references here
@@ -583,8 +566,6 @@ def _state_output_fwd(x: dict, h0: Optional[Tensor], up: Optional[Tensor], chunk
     warps, stages = launch  # _fused_output_launch's
     # U' from Tm here (_solve_u_serves): x's W is Kb and its U is V
     solve = dict(beta=x["beta"], tm=x["tm_solve"], SOLVE_U=True) if x.get("tm_solve") is not None else {}
-    if x.get("inputs") is not None:  # Qg, Kr and Kb formed in the scan (_form_operands_serves)
-        solve.update(x["inputs"], FORM_OPERANDS=True, FAST_EXP=_fast_exp())
     _kernel(kda_state_output_fwd_kernel, traced)[(_cdiv(V, s["BV_SCAN_FWD"]), s["NSEQ"] * HV)](
         x["kr"], x["w"], x["u"], x["gam"], x["qg"], x["aqk"], _stand_in(o, traced) if h0 is None else h0,
         _stand_in(o, traced) if up is None else up,

@@ -136,10 +136,8 @@ def kda_intra_fused_fwd_kernel(
     QG_FIRST: tl.constexpr = True, KR_LAST: tl.constexpr = True, W_FIRST: tl.constexpr = True,
     FAST_EXP: tl.constexpr = False, GATE: tl.constexpr = 0, HAS_A: tl.constexpr = False,
     HAS_BIAS: tl.constexpr = False, BLOCK_REFS: tl.constexpr = False, NONPOSITIVE: tl.constexpr = False,
-    STORE_TM: tl.constexpr = False, TM_ONLY: tl.constexpr = False, STORE_OPERANDS: tl.constexpr = True,
+    STORE_TM: tl.constexpr = False, TM_ONLY: tl.constexpr = False,
 ):
-    # STORE_OPERANDS = False (TM_ONLY for the scan that forms Qg, Kr and Kb itself:
-    # settings.FUSED_OUTPUT_FORM_OPERANDS): none of the three is stored.
     # STORE_TM (a forward that keeps its intermediates, the backward's recompute):
     # also the whole gam, A_kk and Tm, as the four launches keep them.
     # TM_ONLY (settings.INTRA_FUSED_TM_ONLY, for the scan that forms U' itself:
@@ -213,17 +211,16 @@ def kda_intra_fused_fwd_kernel(
         b_dmid = b_gam - b_gmid[None, :]
         b_spread = tl.maximum(b_spread, tl.abs(b_dmid))  # elementwise; one reduction after the loop
         b_q, b_k = _qk_slice(q, k, o_k, m_tk, scale, H, K, BT)
-        if STORE_OPERANDS:
-            if store_qg:
-                tl.store(qg + p_tk, as_stored(b_q * exp(b_gam, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty),
-                         mask=m_tk)
-            if store_kr:
-                tl.store(kr + p_tk, as_stored(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), kr,
-                                              INTERPRET).to(kr.dtype.element_ty), mask=m_tk)
-            if TM_ONLY:
-                if store_w:  # Kb, what the scan reads where it would read W
-                    tl.store(w + p_tk, as_stored(b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), w,
-                                                 INTERPRET).to(w.dtype.element_ty), mask=m_tk)
+        if store_qg:
+            tl.store(qg + p_tk, as_stored(b_q * exp(b_gam, FAST_EXP), qg, INTERPRET).to(qg.dtype.element_ty),
+                     mask=m_tk)
+        if store_kr:
+            tl.store(kr + p_tk, as_stored(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), kr,
+                                          INTERPRET).to(kr.dtype.element_ty), mask=m_tk)
+        if TM_ONLY:
+            if store_w:  # Kb, what the scan reads where it would read W
+                tl.store(w + p_tk, as_stored(b_beta[:, None] * b_k * exp(b_gam, FAST_EXP), w,
+                                             INTERPRET).to(w.dtype.element_ty), mask=m_tk)
         b_akk, b_aqk = _split_a_dots(b_q, b_k, b_dmid, b_akk, b_aqk, DOT_PREC, FAST_EXP)
     spread = tl.max(tl.max(b_spread, 1), 0)
     if BLOCK_REFS:

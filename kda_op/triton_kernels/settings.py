@@ -674,14 +674,6 @@ FUSED_OUTPUT_GLAST_AHEAD = 1
 # 1.585 -> 1.496; B1-T32768-H16 (no fused scan there) and the training step unchanged; o
 # within 3.3e-3 of the W/U scan's at B2 and B8 (relative norm), the final state 2.9e-3.
 FUSED_OUTPUT_SOLVE_U = 1
-# Where the fused stage forms Tm alone (INTRA_FUSED_TM_ONLY serves) and g is the log decay as
-# given (no in-kernel gate), the scan that forms U' also forms each chunk's Qg, Kr and Kb from
-# q, k, g and beta (gam = cumsum(g) on chip, 1) instead of reading what the fused stage stored:
-# that stage then writes A_qk and Tm alone (16 KB a chunk and head at K = 128, bf16, against 64
-# with the three), and the scan reads q and k (key heads: shared by a GVA group's value heads
-# in cache) and g (fp32) where it read the three (bf16). More exps and a cumsum in each chunk
-# step of the scan, off the chain through S.
-FUSED_OUTPUT_FORM_OPERANDS = 0
 # The whole forward in one launch (one_pass_fwd.py; 1): one program per (V block, sequence *
 # value head) walks its chunks and forms gam, the A's, Tm, U', the output and the state on
 # chip, reading q, k, v, g, beta and writing o (and the chunk states where kept), instead of

@@ -23,7 +23,6 @@ import triton.language as tl
 
 from ._dot import as_stored, dot
 from ._indexing import scan_ends, sequence_coords, state_tile
-from ._math import exp
 
 
 @triton.jit
@@ -42,12 +41,7 @@ def kda_state_output_fwd_kernel(
     IS_VARLEN: tl.constexpr = False, POOL: tl.constexpr = False, V_FIRST: tl.constexpr = False,
     COMPACT_STATES: tl.constexpr = False, GLAST_AHEAD: tl.constexpr = False,
     beta=None, tm=None, SOLVE_U: tl.constexpr = False,
-    q=None, k=None, g=None, scale=1.0, FORM_OPERANDS: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
 ):
-    # FORM_OPERANDS (settings.FUSED_OUTPUT_FORM_OPERANDS, with SOLVE_U): Qg, Kr and Kb formed here
-    # from the inputs q, k (key heads), g (log decays, fp32) and beta, each chunk's gam =
-    # cumsum(g) on chip, instead of read from what the intra-chunk stage stored (``qg``, ``kr``
-    # and ``w`` are then not read): rounded to bf16 as that stage stores them.
     # SOLVE_U (settings.FUSED_OUTPUT_SOLVE_U): ``w`` holds Kb = diag(beta) K exp(gam) and ``u``
     # is V itself (the inputs' v), ``tm`` Tm = (I + diag(beta) A_kk)^-1 and ``beta`` beta:
     # U' = U - W S = Tm (diag(beta) V - Kb S) is formed here, one more dot a chunk, so that
@@ -77,12 +71,6 @@ def kda_state_output_fwd_kernel(
     if SOLVE_U:
         beta += bos * HV + i_hv
         tm += (bos * HV + i_hv) * BT
-    if FORM_OPERANDS:
-        tl.static_assert(SOLVE_U, "the operands formed here: Kb for U' from Tm")
-        q += (bos * H + i_h) * K
-        k += (bos * H + i_h) * K
-        g += (bos * HV + i_hv) * K
-        scale = tl.cast(scale, tl.float32)
     cs_stride = tl.cast(HV, tl.int64) * K * V  # from one chunk boundary to the next
 
     o_k, m_k, o_v, m_v, m_kv, state_off = state_tile(i_v, K, V, BK, BV)
@@ -95,7 +83,6 @@ def kda_state_output_fwd_kernel(
     row_k = (o_r[:, None]) * (HV * K) + o_k[None, :]
     row_v = (o_r[:, None]) * (HV * V) + o_v[None, :]
     row_a = (o_r[:, None]) * (HV * BT) + o_r[None, :]
-    row_kh = (o_r[:, None]) * (H * K) + o_k[None, :]  # FORM_OPERANDS: q's and k's rows (key heads)
     causal = o_r[:, None] >= o_r[None, :]
     tl.static_assert(HAS_H0 or not POOL, "the pool's scan starts from its slots")
     tl.static_assert(not COMPACT_STATES or (STORE_STATES and IS_VARLEN and not HAS_H0),
@@ -128,44 +115,34 @@ def kda_state_output_fwd_kernel(
             else:
                 wants_state = NC > 1
             if wants_state:
-                if FORM_OPERANDS:
-                    _, b_kr, _, _ = _chunk_operands(q, k, g, b_beta, 0, row_k, row_kh, m_t[:, None] & m_k[None, :],
-                                                    scale, H, HV, K, BT, FAST_EXP, kr, INTERPRET)
-                else:
-                    b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
+                b_kr = tl.load(kr + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
                 b_s = dot(tl.trans(b_kr), b_u, BF16_DOTS, DOT_PREC, INTERPRET)
     I_FIRST: tl.constexpr = 1 if PEEL else 0
     # GLAST_AHEAD (settings.FUSED_OUTPUT_GLAST_AHEAD): each chunk's last row of gam loaded a
     # chunk ahead, as state_fwd.py's. Loaded where it is used, it is one more round trip to
     # memory on each chunk's chain, after the output's stores (sm_90a SASS).
-    if GLAST_AHEAD and not FORM_OPERANDS:
+    if GLAST_AHEAD:
         b_glast = tl.load(gam + (tl.minimum(tl.cast((I_FIRST + 1) * BT, tl.int64), T) - 1) * (HV * K) + o_k,
                           mask=m_k & ((I_FIRST + 0 * o_k) < NC), other=0.0)
     for i_c in range(I_FIRST, NC):
         if STORE_STATES:
             tl.store(chunk_states + i_c * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
         r0 = tl.cast(i_c * BT, tl.int64)  # the chunk's first row
-        if GLAST_AHEAD and not FORM_OPERANDS:
+        if GLAST_AHEAD:
             b_glast_next = tl.load(gam + (tl.minimum(r0 + 2 * BT, T) - 1) * (HV * K) + o_k,
                                    mask=m_k & ((i_c + 1 + 0 * o_k) < NC), other=0.0)
         m_t = i_c * BT + o_r < T
         m_tk = m_t[:, None] & m_k[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        if FORM_OPERANDS:
-            b_beta = tl.load(beta + (r0 + o_r) * HV, mask=m_t, other=0.0).to(tl.float32)
-            b_qg, b_kr, b_w, b_glast = _chunk_operands(q, k, g, b_beta, r0, row_k, row_kh, m_tk, scale, H, HV, K, BT,
-                                                       FAST_EXP, kr, INTERPRET)
-        else:
-            b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
-            b_qg = tl.load(qg + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
-            b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
+        b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
+        b_qg = tl.load(qg + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
         b_u = tl.load(u + r0 * (HV * V) + row_v, mask=m_tv, other=0.0).to(tl.float32)
+        b_kr = tl.load(kr + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
         # A_qk under its row mask, its upper triangle zeroed after the load (as state_bwd.py's
         # AQK_ROW_MASK): under the causal mask the load goes element by element on sm_90a
         b_a = tl.where(causal, tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None], other=0.0), 0.0)
         if SOLVE_U:  # U' = Tm (diag(beta) V - Kb S); b_w is Kb, b_u is V
-            if not FORM_OPERANDS:  # (loaded above)
-                b_beta = tl.load(beta + (r0 + o_r) * HV, mask=m_t, other=0.0).to(tl.float32)
+            b_beta = tl.load(beta + (r0 + o_r) * HV, mask=m_t, other=0.0).to(tl.float32)
             b_tm = tl.load(tm + r0 * (HV * BT) + row_a, mask=m_t[:, None], other=0.0)
             b_up = dot(b_tm, b_beta[:, None] * b_u - dot(b_w, b_s, BF16_DOTS, DOT_PREC, INTERPRET),
                        BF16_DOTS, DOT_PREC, INTERPRET)
@@ -179,35 +156,14 @@ def kda_state_output_fwd_kernel(
         if POOL:
             b_o = tl.where(live, b_o, 0.0)
         tl.store(o + r0 * (HV * V) + row_v, as_stored(b_o, o, INTERPRET).to(o.dtype.element_ty), mask=m_tv)
-        if not GLAST_AHEAD and not FORM_OPERANDS:
+        if not GLAST_AHEAD:
             # the chunk's last row of gam (gam has the rows of the inputs, _indexing.py)
             b_glast = tl.load(gam + (tl.minimum(r0 + BT, T) - 1) * (HV * K) + o_k, mask=m_k, other=0.0)
         b_s = b_s * tl.exp(b_glast)[:, None] + dot(tl.trans(b_kr), b_up, BF16_DOTS, DOT_PREC, INTERPRET)
-        if GLAST_AHEAD and not FORM_OPERANDS:
+        if GLAST_AHEAD:
             b_glast = b_glast_next
 
     if STORE_STATES and not COMPACT_STATES:
         tl.store(chunk_states + NC * cs_stride + state_off, as_stored(b_s, chunk_states, INTERPRET), mask=m_kv)
     if STORE_HT:  # not without output_final_state (ht is then a stand-in)
         tl.store(ht + ends_off, b_s, mask=m_ends)
-
-
-
-@triton.jit
-def _chunk_operands(q, k, g, b_beta, r0, row_k, row_kh, m_tk, scale, H, HV, K: tl.constexpr, BT: tl.constexpr,
-                    FAST_EXP: tl.constexpr, like, INTERPRET: tl.constexpr):
-    """FORM_OPERANDS: one chunk's (Qg, Kr, Kb, gam's last row) from the inputs, the pointers at
-    this sequence and head, ``r0`` the chunk's first row: gam = cumsum(g) down the chunk (rows
-    past the end load g = 0 and repeat the last gam), Qg = Q scale exp(gam), Kr = K exp(Gam -
-    gam), Kb = diag(beta) K exp(gam), rounded to ``like``'s dtype (bf16) as the intra-chunk
-    stage stores them. Every exponent is <= 0 for a decaying gate, as there."""
-    b_gam = tl.cumsum(tl.load(g + r0 * (HV * K) + row_k, mask=m_tk, other=0.0).to(tl.float32), axis=0)
-    b_glast = tl.sum(tl.where((tl.arange(0, BT) == BT - 1)[:, None], b_gam, 0.0), 0)
-    b_k = tl.load(k + r0 * (H * K) + row_kh, mask=m_tk, other=0.0).to(tl.float32)
-    b_q = tl.load(q + r0 * (H * K) + row_kh, mask=m_tk, other=0.0).to(tl.float32)
-    b_e = exp(b_gam, FAST_EXP)
-    dtype = like.dtype.element_ty
-    b_qg = as_stored(b_q * scale * b_e, like, INTERPRET).to(dtype)
-    b_kb = as_stored(b_beta[:, None] * b_k * b_e, like, INTERPRET).to(dtype)
-    b_kr = as_stored(b_k * exp(b_glast[None, :] - b_gam, FAST_EXP), like, INTERPRET).to(dtype)
-    return b_qg, b_kr, b_kb, b_glast
