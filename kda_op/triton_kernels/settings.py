@@ -746,7 +746,15 @@ INTRA_FUSED_MAXNREG = 168
 # Tm (bf16), so neither A_kk (fp32, 16 KB a chunk and head at BT = 64) nor the diagonal inverses
 # pass through memory and two launches go. Not with fla's in-kernel gate unless
 # INTRA_FUSED_WITH_GATE, not on short packed sequences' tiles (intra_fused_fwd's own terms).
-# Its launch takes INTRA_FUSED_TM_ONLY_WARPS / _STAGES / _MAXNREG (None: no cap).
+# Its launch takes INTRA_FUSED_TM_ONLY_WARPS / _STAGES / _MAXNREG (None: no cap). Compiled for
+# sm_90a (Triton 3.6, bf16, K = V = 128): four warps capped at 168 registers spill 152 B (241
+# registers uncapped, no spills; eight warps capped at 128, none). Timed on an H100 (2026-12-07,
+# forty-second session, ours alone, two rounds, kernels by GPU time): slower than the three
+# launches it replaces. B8-T8192-H16 forward 2.173 -> 2.332 ms (the fused launch 1.497 against
+# intra_a_fwd 0.991 + Tm 0.300 + diag_inv 0.069), B2-T8192-H8-HV32 1.184 -> 1.252 (0.743
+# against 0.479 + 0.157 + 0.040); eight warps capped at 128: 2.725 / 1.456. Without its stores of
+# Qg, Kr and Kb (the scan forming them, since removed) the launch still took 1.185 ms at B8: its
+# A's and Tm alone cost more than intra_a_fwd's tuned loop with every store. Off.
 INTRA_FUSED_TM_ONLY = 0
 INTRA_FUSED_TM_ONLY_WARPS = 4
 INTRA_FUSED_TM_ONLY_STAGES = 2
