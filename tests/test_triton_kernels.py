@@ -2731,3 +2731,50 @@ def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, mon
     monkeypatch.setattr(settings, "INTRA_FUSED_TM_ONLY", 2)
     with pytest.raises(ValueError, match="INTRA_FUSED_TM_ONLY"):
         kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
+
+
+@pytest.mark.parametrize("packed,g_per_key", [(False, 1), (True, 2)])
+def test_triton_bwd_row_blocks_walked_by_one_program_give_the_same_bits(packed, g_per_key, monkeypatch):
+    """settings.INTRA_BWD_A_ROWS_LOOP: with fla's bounded gate (the backward through the A's by
+    row blocks, intra_bwd_a_rows.py) one program per K slice walks the chunk's row blocks
+    instead of one program each; every block forms the same sums from the same tiles, so
+    the grads are bit for bit those of the one-program-a-block launch, on fixed-length
+    (G = 1: the op's dq and dk written directly) and packed sequences (short ones whose last
+    row blocks hold no row; G = 2), and those of the fp32 reference. A bad setting is refused."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import bwd, settings
+
+    lengths = [20, 130, 0, 64, 1]
+    T = sum(lengths) if packed else 2 * CHUNK_SIZE + 9
+    B = 1 if packed else 2
+    HV = 2 * g_per_key
+    x = _inputs(B, T, 2, g_per_key, 32, 24, False, seed=86)
+    q, k, v, beta = (x[n].cpu() for n in ("q", "k", "v", "beta"))
+    gen = torch.Generator().manual_seed(87)
+    g = torch.randn(x["g"].shape, generator=gen)  # fla's raw gate, lower_bound form
+    gate = (torch.randn(HV, generator=gen), torch.randn(HV * 32, generator=gen), -5.0)
+    do = torch.randn(B, T, HV, 24, generator=gen)
+    cu = torch.tensor([0] + lengths).cumsum(0) if packed else None
+    cu_d = None if cu is None else cu.to(DEVICE)
+    gate_d = tuple(t.to(DEVICE) if isinstance(t, torch.Tensor) else t for t in gate)
+    args = [t.to(DEVICE) for t in (q, k, v, g, beta)] + [None, None]
+    _, _, cs, kept = kda_fwd_triton(*args, True, gate=gate_d, cu_seqlens=cu_d, output_final_state=False)
+    grids = []
+    _on_grid(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda grid, kw: grids.append((grid[0], kw["ROW_LOOP"])))
+    grads = []
+    for loop in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_BWD_A_ROWS_LOOP", loop)
+        grids.clear()
+        grads.append(kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d))
+        slices = -(-32 // settings.BKD_A)
+        assert grids == [(slices * (1 if loop else CHUNK_SIZE // 16), bool(loop))], grids
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), *grads):
+        assert torch.equal(a, b), name
+    want = _reference_fwd(q, k, v, g, beta, None, None, gate, cu)
+    want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, None, gate, cu)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), grads[1], want_grads):
+        if b.numel():
+            _rel_close(a, b, name)
+    monkeypatch.setattr(settings, "INTRA_BWD_A_ROWS_LOOP", 2)
+    with pytest.raises(ValueError, match="INTRA_BWD_A_ROWS_LOOP"):
+        kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d)
