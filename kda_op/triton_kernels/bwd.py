@@ -232,13 +232,10 @@ def kda_bwd_triton(
         flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], IS_VARLEN=s["IS_VARLEN"])
         if _row_programs_serve(ga):
             # one program per row block (settings.INTRA_BWD_A_ROW_PROGRAMS), then dg
-            if S.INTRA_BWD_A_ROWS_LOOP not in (0, 1):
-                raise ValueError(f"settings.INTRA_BWD_A_ROWS_LOOP: expected 0 or 1, got {S.INTRA_BWD_A_ROWS_LOOP!r}")
-            row_loop = bool(S.INTRA_BWD_A_ROWS_LOOP)  # a program walks the chunk's row blocks
-            kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (1 if row_loop else BT // BC), NC, B * HV)](
+            kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * HV)](
                 q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *out, *s["VL_CHUNK"], scale, T, NC,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
-                FAST_EXP=_fast_exp() and bool(S.INTRA_BWD_A_ROWS_FAST_EXP), DIRECT_OUT=direct, ROW_LOOP=row_loop,
+                FAST_EXP=_fast_exp() and bool(S.INTRA_BWD_A_ROWS_FAST_EXP), DIRECT_OUT=direct,
                 num_warps=S.INTRA_BWD_A_ROWS_WARPS,
                 **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),
             )

@@ -47,12 +47,8 @@ def kda_intra_bwd_a_rows_kernel(
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
     DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
     DIRECT_OUT: tl.constexpr = False,  # intra_bwd_a.store_dq_dk
-    ROW_LOOP: tl.constexpr = False,
 ):
     # FAST_EXP: _math.exp without subnormals.
-    # ROW_LOOP (settings.INTRA_BWD_A_ROWS_LOOP): one program per (K slice, chunk, batch *
-    # value head) walks the chunk's row blocks, loading the chunk's slice of Q, K and gam
-    # once rather than once a block; else one program per row block and K slice.
     # The K slice varies fastest, then the row block (both on the grid's first axis, so
     # the chunks keep the second, limited to 65535 as elsewhere): the programs of one
     # chunk run side by side and share their loads of Q, K, gam and dA through L2.
@@ -84,31 +80,14 @@ def kda_intra_bwd_a_rows_kernel(
     o_r = tl.arange(0, BT)
     m_t = o_r < T
     m_ts = m_t[:, None] & m_s[None, :]
-
-    # the chunk's slice
-    b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-    b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-    b_g = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-    if ROW_LOOP:
-        for i_rb in range(0, tl.cdiv(tl.minimum(T, BT), BC)):
-            _row_block(q, k, gam, dakk, daqk, dq, dk, dgam, dq_out, dk_out, out_scale, b_q, b_k, b_g, i_rb, o_s, m_s,
-                       m_t, scale, T, H, HV, K, BT, BC, DOT_PREC, FAST_EXP, DIRECT_OUT)
-    else:
-        _row_block(q, k, gam, dakk, daqk, dq, dk, dgam, dq_out, dk_out, out_scale, b_q, b_k, b_g, i_blk, o_s, m_s,
-                   m_t, scale, T, H, HV, K, BT, BC, DOT_PREC, FAST_EXP, DIRECT_OUT)
-
-
-@triton.jit
-def _row_block(q, k, gam, dakk, daqk, dq, dk, dgam, dq_out, dk_out, out_scale, b_q, b_k, b_g, i_blk, o_s, m_s, m_t,
-               scale, T, H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
-               FAST_EXP: tl.constexpr, DIRECT_OUT: tl.constexpr):
-    """Row block ``i_blk``'s share (the module's T_q, T_k, T_kj) of one K slice: ``b_q``
-    (scaled), ``b_k`` and ``b_g`` are the chunk's [BT, BKD] tiles of it; the pointers at the
-    chunk and head."""
-    o_r = tl.arange(0, BT)
     o_i = i_blk * BC + tl.arange(0, BC)  # the block's rows, and as columns
     m_i = o_i < T
     m_is = m_i[:, None] & m_s[None, :]
+
+    # the chunk's slice and the block's rows of it
+    b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+    b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+    b_g = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
     b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
     b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
     b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)

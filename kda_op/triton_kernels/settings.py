@@ -283,10 +283,6 @@ INTRA_BWD_A_ROW_PROGRAMS = 1
 INTRA_BWD_A_ROWS_WARPS = 4
 INTRA_BWD_A_ROWS_MAXNREG = 168
 INTRA_BWD_A_ROWS_FAST_EXP = 1
-# ... one program per K slice walking the chunk's four row blocks, the chunk's slice of Q,
-# K and gam loaded once (1), instead of one program per row block and K slice, each
-# loading it (0): per chunk and head about 450 KB through L2 against 640.
-INTRA_BWD_A_ROWS_LOOP = 0
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
 # K slices and warps per program. H200 (2026-12-03, B2-T8192-H8-HV32 layer-style, ours
 # alone): 0.306 ms at 32 / four warps, 0.223 at 32 / two (forward+backward 8.549 ->
