@@ -280,8 +280,15 @@ INTRA_BWD_A_ROW_PROGRAMS = 1
 # against 1184). H200 (2026-12-03, ours alone, B2-T8192-H8-HV32 layer-style):
 # kda_intra_bwd_a_rows 2.685 ms uncapped, 2.001 capped, 2.050 capped without FAST_EXP
 # (step 8.053 / 7.389 / 7.435 ms). (At 192 registers, before, the cap cost 0.06 ms a step.)
+# 168 -> 128 on 2026-12-07 (forty-second session): four CTAs an SM instead of three, 112 B
+# spilled (sm_90a, bf16, K = 128, Triton 3.6). H100, B2-T8192-H8-HV32 layer-style beside fla
+# in one process (two rounds): kda_intra_bwd_a_rows 2.071 -> 1.869 ms, forward+backward 7.744
+# -> 7.574 ms (fla 9.028: 0.86x -> 0.84x); ours alone, the packed rows' steps 2.355 -> 2.291 ms
+# (varlen-mixed-T8192) and 16.695 -> 16.103 (varlen-2048x1-64); their GPU tests passed under it.
+# Slower: K slices of 16 (BKD_A; the step 9.76 ms), one program walking a chunk's row blocks
+# (2.080 ms; removed).
 INTRA_BWD_A_ROWS_WARPS = 4
-INTRA_BWD_A_ROWS_MAXNREG = 168
+INTRA_BWD_A_ROWS_MAXNREG = 128
 INTRA_BWD_A_ROWS_FAST_EXP = 1
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
 # K slices and warps per program. H200 (2026-12-03, B2-T8192-H8-HV32 layer-style, ours
