@@ -17,6 +17,7 @@ sys.path.insert(0, str(REPO / "profiling"))
 import plot_benchmark  # noqa: E402
 import profile_kda  # noqa: E402
 import stream_overlap  # noqa: E402
+import scan_beside_intra  # noqa: E402
 
 STAGES_CPU = ("kda_op::fwd::recurrence", "kda_op::bwd::recompute_chunk", "kda_op::bwd::bptt_chunk")
 
@@ -172,3 +173,12 @@ def test_stream_overlap_counts_only_time_two_streams_share():
     assert stream_overlap.overlap_summary({})["busy"] == 0.0
     with pytest.raises(ValueError, match="stream 3"):
         stream_overlap.overlap_summary({3: [(2.0, 1.0)]})
+
+
+def test_scan_beside_intra_reads_the_shape_names():
+    """profiling/scan_beside_intra.py's shapes: the benchmark's names, HV = H where absent."""
+    assert scan_beside_intra.parse_shape("B2-T8192-H8-HV32") == (2, 8192, 8, 32)
+    assert scan_beside_intra.parse_shape("B8-T8192-H16") == (8, 8192, 16, 16)
+    for bad in ("B2-T8192", "b2-T8192-H8", "B2-T8192-H8-HV"):
+        with pytest.raises(ValueError, match="--shape"):
+            scan_beside_intra.parse_shape(bad)
