@@ -2577,6 +2577,34 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
             assert torch.equal(a, b), name
 
 
+def _forward_keeping_nothing(args, gate, cu_d, pool_seed=None):
+    """A forward that keeps nothing on _bf16_scan_problem's ``args``: kda_fwd_triton without
+    chunk states, or where ``pool_seed`` is given (packed sequences) the state pool's prefill
+    into slots 5, -1 and 0 of an 8-slot pool drawn from that seed. (o, the final states)."""
+    from kda_op.triton_kernels import kda_chunk_pool_triton
+
+    if pool_seed is None:
+        o, ht, _, _ = kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
+        return o, ht
+    k, v = args[1], args[2]
+    gen = torch.Generator().manual_seed(pool_seed)
+    pool = torch.randn(8, v.shape[2], k.shape[3], v.shape[3], generator=gen).to(DEVICE)
+    slots = torch.tensor([5, -1, 0], device=DEVICE)
+    o = kda_chunk_pool_triton(*args[:6], pool, slots, False, cu_seqlens=cu_d)
+    return o, pool[slots.clamp_min(0)]
+
+
+def _bf16_problem_reference_o(q, k, v, g, beta, h0, cu, gate):
+    """The fp32 reference's o for _bf16_scan_problem's CPU inputs (``g`` the raw gate where
+    fla's ``gate`` is given)."""
+    if gate is None:
+        return _reference_o(*(t.float() for t in (q, k, v, g, beta)), h0, cu)
+    from kda_op.ops import _reference_fwd
+
+    ref_gate = tuple(t.cpu() if torch.is_tensor(t) else t for t in gate)
+    return _reference_fwd(q.float(), k.float(), v.float(), g, beta.float(), None, None, ref_gate, cu)[0]
+
+
 @pytest.mark.parametrize("launch", FUSED_SCAN_LAUNCHES)
 @pytest.mark.parametrize("case", ["h0", "no_h0_lb_gate", "packed_pool"])
 def test_triton_scan_solving_u_matches_the_scan_reading_w_and_u(case, launch, monkeypatch):
@@ -2590,7 +2618,7 @@ def test_triton_scan_solving_u_matches_the_scan_reading_w_and_u(case, launch, mo
     sequences (an empty one, none so short that their tiles take K and gam through memory)
     into a state pool, a negative slot among them (the prefill). A kept forward forms W and
     U as before; a bad setting is refused."""
-    from kda_op.triton_kernels import fwd, kda_chunk_pool_triton, settings
+    from kda_op.triton_kernels import fwd, settings
 
     _fused_scan_at_small_sizes(monkeypatch, launch)
     wu_modes, scan_modes = [], []
@@ -2610,15 +2638,7 @@ def test_triton_scan_solving_u_matches_the_scan_reading_w_and_u(case, launch, mo
     for solve in (0, 1):
         monkeypatch.setattr(settings, "FUSED_OUTPUT_SOLVE_U", solve)
         wu_modes.clear(), scan_modes.clear()
-        if packed:
-            gen = torch.Generator().manual_seed(98)
-            pool = torch.randn(8, v.shape[2], k.shape[3], v.shape[3], generator=gen).to(DEVICE)
-            slots = torch.tensor([5, -1, 0], device=DEVICE)
-            o = kda_chunk_pool_triton(*args[:6], pool, slots, False, cu_seqlens=cu_d)
-            results.append((o, pool[slots.clamp_min(0)]))
-        else:
-            o, ht, _, _ = kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
-            results.append((o, ht))
+        results.append(_forward_keeping_nothing(args, gate, cu_d, 98 if packed else None))
         assert scan_modes == [bool(solve)], scan_modes
         assert wu_modes == [bool(solve)], wu_modes
     for name, a, b in zip(("o", "final state"), *results):
@@ -2627,15 +2647,10 @@ def test_triton_scan_solving_u_matches_the_scan_reading_w_and_u(case, launch, mo
         # Tm and diag(beta) V - Kb S rounded to bf16 (2^-9 relative) where W and U were
         assert (a - b).norm() <= 1e-2 * a.norm(), (name, ((a - b).norm() / a.norm()).item())
     # against the fp32 reference (the pool's prefill against the forward: the tests above)
-    if case == "no_h0_lb_gate":
-        from kda_op.ops import _reference_fwd
-
-        ref_gate = tuple(t.cpu() if torch.is_tensor(t) else t for t in gate)
-        want = _reference_fwd(q.float(), k.float(), v.float(), g, beta.float(), None, None, ref_gate, None)[0]
-    elif not packed:
-        want = _reference_o(*(t.float() for t in (q, k, v, g, beta)), h0, cu)
-    for got in (results[0][0], results[1][0]) if not packed else ():
-        assert (got.cpu().float() - want).norm() <= 1e-2 * want.norm()
+    if not packed:
+        want = _bf16_problem_reference_o(q, k, v, g, beta, h0, cu, gate)
+        for got in (results[0][0], results[1][0]):
+            assert (got.cpu().float() - want).norm() <= 1e-2 * want.norm()
     # a forward that keeps its intermediates forms W and U
     wu_modes.clear(), scan_modes.clear()
     kda_fwd_triton(*args, True, gate=gate, cu_seqlens=cu_d)
@@ -2657,7 +2672,7 @@ def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, mon
     sequences into a state pool; fla's bounded gate where INTRA_FUSED_WITH_GATE lets the fused
     stage take it (its block references; no steep launch). A kept forward forms W and U in the
     four launches; a bad setting is refused."""
-    from kda_op.triton_kernels import fwd, kda_chunk_pool_triton, settings
+    from kda_op.triton_kernels import fwd, settings
     from test_one_pass_fwd import _python_paths
 
     _fused_scan_at_small_sizes(monkeypatch)
@@ -2691,15 +2706,7 @@ def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, mon
         monkeypatch.setattr(settings, "INTRA_FUSED_TM_ONLY", fused)
         for launches in seen.values():
             launches.clear()
-        if packed:
-            gen = torch.Generator().manual_seed(102)
-            pool = torch.randn(8, v.shape[2], k.shape[3], v.shape[3], generator=gen).to(DEVICE)
-            slots = torch.tensor([5, -1, 0], device=DEVICE)
-            o = kda_chunk_pool_triton(*args[:6], pool, slots, False, cu_seqlens=cu_d)
-            results.append((o, pool[slots.clamp_min(0)]))
-        else:
-            o, ht, _, _ = kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
-            results.append((o, ht))
+        results.append(_forward_keeping_nothing(args, gate, cu_d, 102 if packed else None))
         assert seen["scan"] == [True], seen
         if fused:
             assert seen["fused"] == [True] and seen["a"] == [] and seen["diag_inv"] == [], seen
@@ -2713,15 +2720,9 @@ def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, mon
         # Tm formed in another order (the diagonal inverses by a product of fp32 dots, not by
         # substitution), then rounded to bf16 (2^-9 relative) as before
         assert (a - b).norm() <= 5e-3 * a.norm(), (name, ((a - b).norm() / a.norm()).item())
-    if case == "lb_gate":
-        from kda_op.ops import _reference_fwd
-
-        ref_gate = tuple(t.cpu() if torch.is_tensor(t) else t for t in gate)
-        want = _reference_fwd(q.float(), k.float(), v.float(), g, beta.float(), None, None, ref_gate, None)[0]
-    elif not packed:
-        want = _reference_o(*(t.float() for t in (q, k, v, g, beta)), h0, cu)
     if not packed:
         # bf16 operands, Tm, Kb, Qg, Kr and A_qk rounded to bf16 (2^-9 relative each)
+        want = _bf16_problem_reference_o(q, k, v, g, beta, h0, cu, gate)
         assert (results[1][0].cpu().float() - want).norm() <= 1e-2 * want.norm()
     # a forward that keeps its intermediates: the four launches, W and U
     for launches in seen.values():
