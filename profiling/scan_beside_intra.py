@@ -15,7 +15,6 @@ the intra-chunk stage 0.695, both at once 1.058-1.070 (their sum 1.195); at B8-T
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 from pathlib import Path
 
@@ -25,15 +24,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_chunk_kda import make_inputs  # noqa: E402
 from kda_op.triton_kernels import fwd  # noqa: E402
-
-
-def parse_shape(shape: str) -> tuple[int, int, int, int]:
-    """``"B2-T8192-H8-HV32"`` -> (B, T, H, HV); HV = H where the name has none."""
-    m = re.fullmatch(r"B(\d+)-T(\d+)-H(\d+)(?:-HV(\d+))?", shape)
-    if m is None:
-        raise ValueError(f"--shape: expected B<n>-T<n>-H<n>[-HV<n>], got {shape!r}")
-    B, T, H = (int(x) for x in m.groups()[:3])
-    return B, T, H, int(m.group(4) or H)
+from ncu_stages import parse_shape  # noqa: E402  (the benchmark's shape names)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -46,10 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         from kda_op.triton_kernels import settings
 
         settings.INTRA_FUSED_TM_ONLY = 1
-    try:
-        B, T, H, HV = parse_shape(args.shape)
-    except ValueError as e:
-        raise SystemExit(str(e)) from None
+    B, T, H, HV = parse_shape(args.shape)
     (q, k, v, g, beta, h0), _ = make_inputs(B, T, H, HV)
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     s = fwd._sizes(q, v, cu_seqlens=None, has_initial_state=True)

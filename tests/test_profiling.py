@@ -176,9 +176,10 @@ def test_stream_overlap_counts_only_time_two_streams_share():
 
 
 def test_scan_beside_intra_reads_the_shape_names():
-    """profiling/scan_beside_intra.py's shapes: the benchmark's names, HV = H where absent."""
+    """profiling/scan_beside_intra.py's shapes (ncu_stages.parse_shape): the benchmark's
+    names, HV = H where absent; anything else refused by name."""
     assert scan_beside_intra.parse_shape("B2-T8192-H8-HV32") == (2, 8192, 8, 32)
     assert scan_beside_intra.parse_shape("B8-T8192-H16") == (8, 8192, 16, 16)
     for bad in ("B2-T8192", "b2-T8192-H8", "B2-T8192-H8-HV"):
-        with pytest.raises(ValueError, match="--shape"):
+        with pytest.raises(SystemExit, match="--shape"):
             scan_beside_intra.parse_shape(bad)

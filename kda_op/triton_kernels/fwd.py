@@ -297,27 +297,30 @@ def _check_intra_fused_settings() -> None:
         raise ValueError(f"settings.INTRA_FUSED_DIAG_INV: expected 0 or 1, got {S.INTRA_FUSED_DIAG_INV!r}")
 
 
+def _intra_fused_takes(s: dict, gate: Optional[tuple], traced: bool) -> bool:
+    """Whether the fused stage (intra_fused_fwd.py, either form) takes these inputs: not
+    short packed sequences (their tiles), fla's gate only where INTRA_FUSED_WITH_GATE
+    (slower there: settings.py). Its settings are checked here."""
+    _check_intra_fused_settings()
+    short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
+    return not short_tiles and (gate is None or bool(S.INTRA_FUSED_WITH_GATE))
+
+
 def _intra_fused_serves(s: dict, store_tm: bool, gate: Optional[tuple], traced: bool) -> bool:
     """Whether the intra-chunk stage runs as one launch (settings.INTRA_FUSED_FWD,
     intra_fused_fwd.py): where nothing is kept for the backward (1), or also where Tm
-    is (2: the forward that keeps its intermediates, the backward's recompute); not on
-    short packed sequences (their tiles); with fla's gate only where
-    INTRA_FUSED_WITH_GATE (slower there: settings.py)."""
-    _check_intra_fused_settings()
-    short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
-    return (bool(S.INTRA_FUSED_FWD) and (S.INTRA_FUSED_FWD == 2 or not store_tm) and not short_tiles
-            and (gate is None or bool(S.INTRA_FUSED_WITH_GATE)))
+    is (2: the forward that keeps its intermediates, the backward's recompute), on the
+    inputs the fused stage takes (_intra_fused_takes)."""
+    return (_intra_fused_takes(s, gate, traced) and bool(S.INTRA_FUSED_FWD)
+            and (S.INTRA_FUSED_FWD == 2 or not store_tm))
 
 
 def _intra_fused_tm_serves(s: dict, gate: Optional[tuple], traced: bool, input_dtype: torch.dtype) -> bool:
     """Whether, where the scan forms U' from Tm (the caller also asks _solve_u_serves), the
     intra-chunk stage runs as the fused stage's TM_ONLY launch (settings.INTRA_FUSED_TM_ONLY):
-    on bf16 inputs (Kb and Tm in bf16), not on short packed sequences (their tiles), with
-    fla's gate only where INTRA_FUSED_WITH_GATE."""
-    _check_intra_fused_settings()
-    short_tiles = bool(S.SHORT_TILE) and s["SHORT"] and not traced
-    return (bool(S.INTRA_FUSED_TM_ONLY) and input_dtype == torch.bfloat16 and not short_tiles
-            and (gate is None or bool(S.INTRA_FUSED_WITH_GATE)))
+    on bf16 inputs (Kb and Tm in bf16) that the fused stage takes (_intra_fused_takes)."""
+    return (_intra_fused_takes(s, gate, traced) and bool(S.INTRA_FUSED_TM_ONLY)
+            and input_dtype == torch.bfloat16)
 
 
 def _intra_fused_fwd(q, k, v, g, beta, scale, s: dict, out: dict, prec: str, common: dict, traced: bool, ga: dict,

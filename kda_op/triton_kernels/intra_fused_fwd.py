@@ -193,7 +193,8 @@ def kda_intra_fused_fwd_kernel(
     b_gmax = tl.zeros([BT, BKA], dtype=tl.float32)  # BLOCK_REFS, not NONPOSITIVE: the largest log decay
     b_akk = tl.zeros([BT, BT], dtype=tl.float32)
     b_aqk = tl.zeros([BT, BT], dtype=tl.float32)
-    b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
+    if TM_ONLY:  # Kb's rows in pass 1 (otherwise loaded after it: live shorter, fewer spills)
+        b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
     for i_s in range(tl.cdiv(K, BKA)):
         o_k, m_k, m_tk, p_tk, b_g, b_gam = _gam_slice(g, i_s, m_t, A_log, dt_bias, lower_bound, i_hv, HV, K, BT, BKA,
                                                       GATE, HAS_A, HAS_BIAS)
@@ -245,6 +246,8 @@ def kda_intra_fused_fwd_kernel(
         tl.store(aqk + p_a, as_stored(tl.where(o_r[:, None] >= o_r[None, :], b_aqk, 0.0), aqk,
                                       INTERPRET).to(aqk.dtype.element_ty), mask=m_t[:, None])
         # M = diag(beta) A_kk, strictly lower (entries above the diagonal may be inf: dropped)
+        if not TM_ONLY:
+            b_beta = tl.load(beta + o_r * HV, mask=m_t, other=0.0).to(tl.float32)
         b_m = tl.where(o_r[:, None] > o_r[None, :], b_beta[:, None] * b_akk, 0.0)
         b_tm = tm_from_block_inverses(b_m, diag_block_inverses(b_m, BT, BC, DIAG_INV_METHOD), BT, BC, DOT_PREC)
         if STORE_TM:
