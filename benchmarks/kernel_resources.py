@@ -61,6 +61,10 @@ def _compile(fn, signature: dict, constexprs: dict, num_warps: int, num_stages: 
     if (fn.__name__ == "kda_intra_bwd_a_kernel" and S.INTRA_BWD_A_MAXNREG and not constexprs.get("STEEP")
             and not constexprs.get("ONE_LAUNCH")):
         options["maxnreg"] = S.INTRA_BWD_A_MAXNREG
+    if fn.__name__ == "kda_intra_bwd_kernel" and S.INTRA_BWD_MAXNREG and constexprs.get("DOT_PREC") != "tf32x3":
+        options["maxnreg"] = S.INTRA_BWD_MAXNREG
+    if fn.__name__ == "kda_intra_bwd_w_kernel" and S.INTRA_BWD_W_MAXNREG:
+        options["maxnreg"] = S.INTRA_BWD_W_MAXNREG
     if fn.__name__ == "kda_intra_bwd_a_rows_kernel" and S.INTRA_BWD_A_ROWS_MAXNREG:
         options["maxnreg"] = S.INTRA_BWD_A_ROWS_MAXNREG
     # in the kernel's parameter order: Triton >= 3.7 reads the signature by position
@@ -311,16 +315,18 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, ds_offsets="*i64", scale="fp32",
               **ints),
-         dict(common, **varlen, BKS=S.BKS_W, BV=s["BV"], DOT_PREC=prec, FAST_EXP=bool(S.FAST_EXP),
+         dict(common, **varlen, BKS=S.BKS_W, BKI=S.BKS_W_INNER or S.BKS_W, BV=S.INTRA_BWD_W_BV or s["BV"], DOT_PREC=prec, FAST_EXP=bool(S.FAST_EXP),
               BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and args.dtype == "bf16" and cs == "*bf16",
-              BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and res == "*bf16" and dsc == "*bf16"), S.INTRA_BWD_W_WARPS, 1),
+              BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and res == "*bf16" and dsc == "*bf16",
+              STATES_IN_REGISTERS=S.INTRA_BWD_W_STAGES > 1 and not fences_wgmma_after_cp_async()),
+         S.INTRA_BWD_W_WARPS, S.INTRA_BWD_W_STAGES),
         (intra_bwd.kda_intra_bwd_kernel,
          dict(**vl_chunk, v=x, beta=x, akk=f32, tm=f32, up=res, dup=f32, do=x, dtm_part=f32, dbeta_part=f32,
               dv=x, dbeta=x, dakk=f32, daqk=f32, **ints),
          dict(**varlen, V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, S.BKS_W), DOT_PREC=prec,
               BF16_DAQK=(bool(S.INTRA_BWD_BF16_DAQK) and args.dtype == "bf16" and res == "*bf16"
                          and fences_wgmma_after_cp_async()),
-              UP_IN_REGISTERS=not fences_wgmma_after_cp_async()), S.INTRA_BWD_WARPS, 3),
+              UP_IN_REGISTERS=not fences_wgmma_after_cp_async()), S.INTRA_BWD_WARPS, S.INTRA_BWD_STAGES),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, **dq_dk_out, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints,

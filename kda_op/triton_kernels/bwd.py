@@ -69,6 +69,14 @@ def _row_programs_serve(ga: dict) -> bool:
     return bool(S.INTRA_BWD_A_ROW_PROGRAMS) and _gate_bounds_every_block(ga) and ga["lower_bound"] <= 0
 
 
+def _bks_w_inner() -> int:
+    """intra_bwd_w's sub-slice width (settings.BKS_W_INNER), checked against BKS_W."""
+    inner = S.BKS_W_INNER or S.BKS_W
+    if S.BKS_W % inner:
+        raise ValueError(f"settings.BKS_W_INNER must divide BKS_W ({S.BKS_W}), got {inner}")
+    return inner
+
+
 def kda_bwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
@@ -185,10 +193,13 @@ def kda_bwd_triton(
             q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
             dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
             *s["VL_CHUNK"], ds_offsets, scale, T, NC,
-            H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BV=s["BV"],
-            # one stage: its V loop is short, and prefetching it cost spills at 4 warps
+            H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BKI=_bks_w_inner(), BV=S.INTRA_BWD_W_BV or s["BV"],
+            # (with loads ahead, where Triton does not fence the wgmmas reading their tiles,
+            # S0 and dS_C pass through registers: _compat.fences_wgmma_after_cp_async)
+            STATES_IN_REGISTERS=S.INTRA_BWD_W_STAGES > 1 and not _cp_async_wgmma_fenced(),
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
-            COMPACT=compact, num_warps=S.INTRA_BWD_W_WARPS, num_stages=1,
+            COMPACT=compact, num_warps=S.INTRA_BWD_W_WARPS, num_stages=S.INTRA_BWD_W_STAGES,
+            **(dict(maxnreg=S.INTRA_BWD_W_MAXNREG) if S.INTRA_BWD_W_MAXNREG else {}),
             BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and do.dtype == torch.bfloat16
             and chunk_states.dtype == torch.bfloat16, INTERPRET=_INTERPRET,
             BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and up.dtype == torch.bfloat16
@@ -205,7 +216,9 @@ def kda_bwd_triton(
             dv, dbeta, dakk, daqk,
             *s["VL_CHUNK"], T, NC,
             H=H, HV=HV, V=V, BT=BT, BV=s["BV"], NS=NS,
-            DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_WARPS,
+            DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], num_warps=S.INTRA_BWD_WARPS, num_stages=S.INTRA_BWD_STAGES,
+            # (fp32 inputs uncapped: their wider tiles spill 1.6 KB under the cap, 0.9 without)
+            **(dict(maxnreg=S.INTRA_BWD_MAXNREG) if S.INTRA_BWD_MAXNREG and q.dtype != torch.float32 else {}),
             BF16_DAQK=(bool(S.INTRA_BWD_BF16_DAQK) and do.dtype == torch.bfloat16 and up.dtype == torch.bfloat16
                        and _cp_async_wgmma_fenced()),
             INTERPRET=_INTERPRET, UP_IN_REGISTERS=not _cp_async_wgmma_fenced(),

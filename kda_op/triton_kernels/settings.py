@@ -39,7 +39,21 @@ INTRA_WU_FWD_WARPS_BF16 = 2
 # spilled) 0.414 ms, slower.
 INTRA_WU_FWD_MAXNREG = 168
 INTRA_BWD_W_WARPS = 8  # with BKS_W = 64; at 4 warps it spilled 2.4 KB
+# A cap on intra_bwd_w's registers per thread (None: the compiler's choice, 236 at eight
+# warps: one CTA an SM).
+INTRA_BWD_W_MAXNREG = None
+# ... the pipeline stages of its V loop, and its V block (None: the backward's BV)
+INTRA_BWD_W_STAGES = 2
+INTRA_BWD_W_BV = None
 INTRA_BWD_WARPS = 8  # 4 -> 8 on 2026-12-03 (see INTRA_BWD_BF16_DAQK)
+# intra_bwd's register cap (None: the compiler's choice) and the pipeline stages of its V
+# loop. Uncapped at three stages it took 233 registers and 128 KB of shared memory at eight
+# warps: one CTA an SM. Capped at 128 with two stages (100 B spilled, 104 KB): two. H100
+# (2026-12-07, forty-third session, ours alone, two rounds, kernels by GPU time):
+# kda_intra_bwd 1.828 -> 1.622 ms at B8-T8192-H16, step 12.532 -> 12.355 ms; B2-T8192-H8-HV32
+# step 6.512 -> 6.416, layer-style 7.553 -> 7.464 (one stage: 1.622, 6.422, 7.472).
+INTRA_BWD_MAXNREG = 128
+INTRA_BWD_STAGES = 2
 INTRA_BWD_A_WARPS = 4
 # A register cap on the per-chunk backward through the A's where it takes the split chunks
 # alone (INTRA_BWD_A_ONE_LAUNCH's two launches; None: no cap). Three CTAs an SM at four warps
@@ -189,6 +203,10 @@ BKS = 32
 # 4 of them). 32 -> 64 (with 8 warps below) for that memory: 0.5 GiB less; the
 # kernel's spills at bf16, K = 128 492 -> 88 bytes (kernel_resources.py).
 BKS_W = 64
+# ... each program walking its slice in sub-slices of BKS_W_INNER columns (None: BKS_W, one
+# sub-slice), whose accumulators live one at a time: the registers of a narrow slice at the
+# dTm shares (memory) of a wide one.
+BKS_W_INNER = None
 # intra_bwd_w's dO S0^T on bf16 operands where both are stored in bf16 (bf16 inputs
 # and chunk states): the same products as TF32's (bf16 values are exact in both), fp32
 # accumulation. H200 (2026-12-03, Triton 3.6, ours alone, layer-style, same process):
