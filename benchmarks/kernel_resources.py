@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, ds_offsets="*i64", scale="fp32",
               **ints),
-         dict(common, **varlen, BKS=S.BKS_W, BKI=S.BKS_W_INNER or S.BKS_W, BV=S.INTRA_BWD_W_BV or s["BV"], DOT_PREC=prec, FAST_EXP=bool(S.FAST_EXP),
+         dict(common, **varlen, BKS=S.BKS_W, BV=S.INTRA_BWD_W_BV or s["BV"], DOT_PREC=prec, FAST_EXP=bool(S.FAST_EXP),
               BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and args.dtype == "bf16" and cs == "*bf16",
               BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and res == "*bf16" and dsc == "*bf16",
               STATES_IN_REGISTERS=S.INTRA_BWD_W_STAGES > 1 and not fences_wgmma_after_cp_async()),

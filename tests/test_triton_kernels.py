@@ -2541,7 +2541,9 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
     """Where Triton leaves a wgmma after cp.async unfenced (3.6-3.8,
     _compat.fences_wgmma_after_cp_async) the backward launches the forms it fences: the
     fused scan loads A_qk under its causal mask (no SCAN_AQK_ROW_MASK), intra_bwd's dO
-    U'^T takes no bf16 dots and passes U' through registers (UP_IN_REGISTERS). Every
+    U'^T takes no bf16 dots and passes U' through registers (UP_IN_REGISTERS), and
+    intra_bwd_w, loading its V loop ahead, passes S0 and dS_C through registers
+    (STATES_IN_REGISTERS; with one stage, no loads ahead, it need not). Every
     grad as from the other forms: bitwise for fp32 inputs (the same operations), to
     fp32 summation order for bf16 ones (bf16 against TF32 products of bf16 values)."""
     from kda_op._compat import fences_wgmma_after_cp_async
@@ -2562,12 +2564,21 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
     _on_launch(monkeypatch, bwd, "kda_intra_bwd_kernel", lambda kw: seen.append(("intra", kw["BF16_DAQK"],
                                                                                   kw["UP_IN_REGISTERS"])))
     _on_launch(monkeypatch, bwd, "kda_state_bwd_fused_kernel", lambda kw: seen.append(("scan", kw["AQK_ROW_MASK"])))
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_w_kernel", lambda kw: seen.append(("w", kw["STATES_IN_REGISTERS"])))
+    from kda_op.triton_kernels import settings
+
+    monkeypatch.setattr(settings, "INTRA_BWD_W_STAGES", 2)
     results = []
     for fenced in (True, False):
         monkeypatch.setattr(bwd, "_cp_async_wgmma_fenced", lambda fenced=fenced: fenced)
         results.append(kda_bwd_triton(*args, None, h0, cs, do, dht, kept))
     bf16 = dtype == torch.bfloat16
-    assert seen == [("scan", True), ("intra", bf16, False), ("scan", False), ("intra", False, True)], seen
+    assert seen == [("scan", True), ("w", False), ("intra", bf16, False),
+                    ("scan", False), ("w", True), ("intra", False, True)], seen
+    seen.clear()
+    monkeypatch.setattr(settings, "INTRA_BWD_W_STAGES", 1)
+    kda_bwd_triton(*args, None, h0, cs, do, dht, kept)
+    assert ("w", False) in seen, seen
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), *results):
         assert a.float().abs().max() > 0.01, name
         if bf16:
@@ -2732,57 +2743,3 @@ def test_triton_fused_intra_forming_tm_alone_matches_the_four_launches(case, mon
     monkeypatch.setattr(settings, "INTRA_FUSED_TM_ONLY", 2)
     with pytest.raises(ValueError, match="INTRA_FUSED_TM_ONLY"):
         kda_fwd_triton(*args, False, gate=gate, cu_seqlens=cu_d, keep_chunk_states=False)
-
-
-@pytest.mark.parametrize("case", ["batch", "packed-training"])
-def test_intra_bwd_w_sub_slices_match_one_slice_per_program(case, monkeypatch):
-    """settings.BKS_W_INNER: intra_bwd_w's programs walk their K slice in narrower
-    sub-slices, summing the sub-slices' shares of dTm and dbeta in registers. Every
-    grad as with programs of the narrow slice itself (fp32 sums in another order), and
-    as the fp64 reference; the launch takes the sub-slice width asked for, and a width
-    that does not divide the slice is refused."""
-    from kda_op.ops import _reference_bwd, _reference_fwd
-    from kda_op.triton_kernels import bwd, settings
-
-    if case == "batch":  # K = 64: four sub-slices of 16; a short last chunk, h0 and dht
-        inputs = _inputs(2, 2 * CHUNK_SIZE + 9, 1, 2, 64, 16, True, seed=131)
-        args = [inputs[n] for n in NAMES]
-        h0, cu, gate = inputs["initial_state"], None, None
-        o, ht, cs, _ = kda_fwd_triton(*args, None, h0)
-        gen = torch.Generator().manual_seed(132)
-        do = torch.randn(o.shape, generator=gen).to(DEVICE)
-        dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
-    else:  # packed, no h0 nor dht (compact dS_C), fla's bounded gate; K = 32
-        cu, (q, k, v, g, beta), gate, do = _packed_problem([70, 1, 130, 64], 133, True, decay=0.2)
-        args = [x.to(DEVICE) for x in (q, k, v, g, beta)]
-        gate = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
-        cu, do, h0, dht = cu.to(DEVICE), do.to(DEVICE), None, None
-        _, _, cs, _ = kda_fwd_triton(*args, None, None, gate=gate, cu_seqlens=cu, output_final_state=False)
-    K = args[0].shape[-1]
-    seen = []
-    _on_launch(monkeypatch, bwd, "kda_intra_bwd_w_kernel", lambda kw: seen.append((kw["BKS"], kw["BKI"])))
-    results = []
-    for bks, inner in ((K, 16), (16, None)):
-        monkeypatch.setattr(settings, "BKS_W", bks)
-        monkeypatch.setattr(settings, "BKS_W_INNER", inner)
-        results.append(kda_bwd_triton(*args, None, h0, cs, do, dht, gate=gate, cu_seqlens=cu))
-    assert seen == [(K, 16), (16, 16)], seen
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for name, a, b in zip(names, *results):
-        if a.numel():
-            assert a.abs().max() > 0.01, name
-        torch.testing.assert_close(a.cpu(), b.cpu(), rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")  # fp32 order
-    cpu = [x.cpu() for x in args]
-    gate_cpu = None if gate is None else tuple(x.cpu() if isinstance(x, torch.Tensor) else x for x in gate)
-    cu_cpu = None if cu is None else cu.cpu()
-    h0_cpu = None if h0 is None else h0.cpu()
-    want = _reference_fwd(*cpu, None, h0_cpu, gate_cpu, cu_cpu)
-    want_grads = _reference_bwd(*cpu, None, h0_cpu, want[2], do.cpu(), None if dht is None else dht.cpu(),
-                                gate_cpu, cu_cpu)
-    for name, a, b in zip(names, results[0], want_grads):
-        if b is not None and b.numel():
-            _rel_close(a, b, name)
-    monkeypatch.setattr(settings, "BKS_W", 32)
-    monkeypatch.setattr(settings, "BKS_W_INNER", 24)
-    with pytest.raises(ValueError, match="BKS_W_INNER"):
-        kda_bwd_triton(*args, None, h0, cs, do, dht, gate=gate, cu_seqlens=cu)

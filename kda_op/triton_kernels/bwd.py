@@ -69,14 +69,6 @@ def _row_programs_serve(ga: dict) -> bool:
     return bool(S.INTRA_BWD_A_ROW_PROGRAMS) and _gate_bounds_every_block(ga) and ga["lower_bound"] <= 0
 
 
-def _bks_w_inner() -> int:
-    """intra_bwd_w's sub-slice width (settings.BKS_W_INNER), checked against BKS_W."""
-    inner = S.BKS_W_INNER or S.BKS_W
-    if S.BKS_W % inner:
-        raise ValueError(f"settings.BKS_W_INNER must divide BKS_W ({S.BKS_W}), got {inner}")
-    return inner
-
-
 def kda_bwd_triton(
     q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     scale: Optional[float], initial_state: Optional[Tensor],
@@ -193,7 +185,7 @@ def kda_bwd_triton(
             q, k, beta, gam, tm, up, dup, chunk_states, dchunk_states, do,
             dq_e, dk_e, dgam, dgam_last, dtm_part, dbeta_part,
             *s["VL_CHUNK"], ds_offsets, scale, T, NC,
-            H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BKI=_bks_w_inner(), BV=S.INTRA_BWD_W_BV or s["BV"],
+            H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BV=S.INTRA_BWD_W_BV or s["BV"],
             # (with loads ahead, where Triton does not fence the wgmmas reading their tiles,
             # S0 and dS_C pass through registers: _compat.fences_wgmma_after_cp_async)
             STATES_IN_REGISTERS=S.INTRA_BWD_W_STAGES > 1 and not _cp_async_wgmma_fenced(),

@@ -30,7 +30,7 @@ def kda_intra_bwd_w_kernel(
     scale, T, NC,
     H, HV,  # runtime: one compiled kernel serves every head count
     K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr, BKI: tl.constexpr,
+    BT: tl.constexpr, BKS: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr = False, HAS_H0: tl.constexpr = True, HAS_DHT: tl.constexpr = True,
     COMPACT: tl.constexpr = False, BF16_DQG: tl.constexpr = False, INTERPRET: tl.constexpr = False,
@@ -75,6 +75,10 @@ def kda_intra_bwd_w_kernel(
     o_r = tl.arange(0, BT)
     o_t = o_r
     m_t = o_t < T
+    o_s = i_s * BKS + tl.arange(0, BKS)
+    m_s = o_s < K
+    m_ts = m_t[:, None] & m_s[None, :]
+    row_s = (o_t[:, None]) * (HV * K) + o_s[None, :]
     # What is zero and not read: the state entering a sequence's first chunk without an
     # initial state (S0), and the grad of the state leaving its last chunk without a
     # final-state grad (dS_C; state_bwd.py does not store it for packed sequences).
@@ -84,99 +88,83 @@ def kda_intra_bwd_w_kernel(
     need_dsc = (T > BT) | HAS_DHT
     if need_s0 | need_dsc:
         # as block masks (Triton >= 3.7's interpreter refuses a block & scalar mask)
-        o_i = tl.arange(0, BKI)
-        use_s0 = (need_s0.to(tl.int32) + 0 * o_i) > 0
-        use_dsc = (need_dsc.to(tl.int32) + 0 * o_i) > 0
+        use_s0 = (need_s0.to(tl.int32) + 0 * o_s) > 0
+        use_dsc = (need_dsc.to(tl.int32) + 0 * o_s) > 0
         s0_base = chunk_states + (s_c * HV + i_hv) * K * V
         if COMPACT:  # chunk c's dS_C: slot c of its sequence's (read only where c is not the last)
             dsc_base = dchunk_states + ((tl.load(ds_offsets + i_b) + c_seq) * HV + i_hv) * K * V
         else:
             dsc_base = dchunk_states + i_chunk * K * V
-        # the slice's shares of dTm and dbeta, summed over its sub-slices of BKI columns
-        # (BKI < BKS: the sub-slices' accumulators live one at a time, so a wide slice
-        # and few dTm shares cost no more registers than a narrow one; dO, U' and dU'
-        # are read once per sub-slice, from L2 after the first)
-        b_dtm = tl.zeros([BT, BT], dtype=tl.float32)
-        b_dbeta = tl.zeros([BT], dtype=tl.float32)
-        for i_k in range(BKS // BKI):
-            o_s = i_s * BKS + i_k * BKI + o_i
-            m_s = o_s < K
-            m_ts = m_t[:, None] & m_s[None, :]
-            row_s = (o_t[:, None]) * (HV * K) + o_s[None, :]
-            b_dqg = tl.zeros([BT, BKI], dtype=tl.float32)
-            b_dkr = tl.zeros([BT, BKI], dtype=tl.float32)
-            b_dw = tl.zeros([BT, BKI], dtype=tl.float32)
-            b_dglast = tl.zeros([BKI], dtype=tl.float32)
-            for i_v in range(tl.cdiv(V, BV)):
-                o_v = i_v * BV + tl.arange(0, BV)
-                m_v = o_v < V
-                m_tv = m_t[:, None] & m_v[None, :]
-                row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
-                b_do = tl.load(do + row_v, mask=m_tv, other=0.0)
-                b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
-                b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
-                sv = o_s[:, None] * V + o_v[None, :]
-                m_sv = m_s[:, None] & m_v[None, :]
-                b_s0 = tl.load(s0_base + sv, mask=m_sv & use_s0[:, None], other=0.0)
-                b_dsc = tl.load(dsc_base + sv, mask=m_sv & use_dsc[:, None], other=0.0)
-                if STATES_IN_REGISTERS:
-                    # S0 and dS_C through registers (an identity: columns past K are zero
-                    # already), so that each bf16 dot's transposed operand is a tile this
-                    # program stored, which Triton < 3.9 fences (the V loop's loads ahead
-                    # come by cp.async: _compat.fences_wgmma_after_cp_async)
-                    b_s0 = tl.where(m_s[:, None], b_s0, 0.0)
-                    b_dsc = tl.where(m_s[:, None], b_dsc, 0.0)
-                if BF16_DQG:
-                    b_dqg += dot_bf16(b_do, tl.trans(b_s0), INTERPRET)
-                else:
-                    b_dqg += tl.dot(b_do.to(tl.float32), tl.trans(b_s0.to(tl.float32)), input_precision=DOT_PREC)
-                b_s0 = b_s0.to(tl.float32)
-                if BF16_DKR:
-                    b_dkr += dot_bf16(b_up, tl.trans(b_dsc), INTERPRET)
-                else:
-                    b_dkr += tl.dot(b_up.to(tl.float32), tl.trans(b_dsc.to(tl.float32)), input_precision=DOT_PREC)
-                b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
-                b_dglast += tl.sum(b_s0 * b_dsc.to(tl.float32), 1)
+        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
+        b_dqg = tl.zeros([BT, BKS], dtype=tl.float32)
+        b_dkr = tl.zeros([BT, BKS], dtype=tl.float32)
+        b_dw = tl.zeros([BT, BKS], dtype=tl.float32)
+        b_dglast = tl.zeros([BKS], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
+            b_do = tl.load(do + row_v, mask=m_tv, other=0.0)
+            b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
+            b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
+            sv = o_s[:, None] * V + o_v[None, :]
+            m_sv = m_s[:, None] & m_v[None, :]
+            b_s0 = tl.load(s0_base + sv, mask=m_sv & use_s0[:, None], other=0.0)
+            b_dsc = tl.load(dsc_base + sv, mask=m_sv & use_dsc[:, None], other=0.0)
+            if STATES_IN_REGISTERS:
+                # S0 and dS_C through registers (an identity: columns past K are zero
+                # already), so that each bf16 dot's transposed operand is a tile this
+                # program stored, which Triton < 3.9 fences (the V loop's loads ahead
+                # come by cp.async: _compat.fences_wgmma_after_cp_async)
+                b_s0 = tl.where(m_s[:, None], b_s0, 0.0)
+                b_dsc = tl.where(m_s[:, None], b_dsc, 0.0)
+            if BF16_DQG:
+                b_dqg += dot_bf16(b_do, tl.trans(b_s0), INTERPRET)
+            else:
+                b_dqg += tl.dot(b_do.to(tl.float32), tl.trans(b_s0.to(tl.float32)), input_precision=DOT_PREC)
+            b_s0 = b_s0.to(tl.float32)
+            if BF16_DKR:
+                b_dkr += dot_bf16(b_up, tl.trans(b_dsc), INTERPRET)
+            else:
+                b_dkr += tl.dot(b_up.to(tl.float32), tl.trans(b_dsc.to(tl.float32)), input_precision=DOT_PREC)
+            b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
+            b_dglast += tl.sum(b_s0 * b_dsc.to(tl.float32), 1)
 
-            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-            b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-            b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_s, mask=m_s, other=0.0)
-            b_eg = exp(b_gam, FAST_EXP)
-            b_kg = b_k * b_eg
-            b_rf = exp(b_glast[None, :] - b_gam, FAST_EXP)
-            b_kr = b_k * b_rf
+        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+        b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+        b_eg = exp(b_gam, FAST_EXP)
+        b_kg = b_k * b_eg
+        b_rf = exp(b_glast[None, :] - b_gam, FAST_EXP)
+        b_kr = b_k * b_rf
 
-            # O = Qg S0 + ...; S_C = exp(Gam) S0 + Kr^T U'
-            b_dq = b_dqg * b_eg
-            b_dgam = b_dqg * b_q * b_eg
-            b_dk = b_dkr * b_rf
-            b_dgam -= b_dkr * b_kr
-            b_dglast = b_dglast * tl.exp(b_glast) + tl.sum(b_dkr * b_kr, 0)
-            # W = Tm diag(beta) Kg (beta and Tm loaded per sub-slice: not live through its V loop)
-            b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-            b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
-            b_bkg = b_beta[:, None] * b_kg
-            b_dtm += tl.dot(b_dw, tl.trans(b_bkg), input_precision=DOT_PREC)
-            b_tdw = tl.dot(tl.trans(b_tm), b_dw, input_precision=DOT_PREC)
-            b_dbeta += tl.sum(b_kg * b_tdw, 1)
-            b_dkg = b_beta[:, None] * b_tdw
-            b_dk += b_dkg * b_eg
-            b_dgam += b_dkg * b_kg
+        # O = Qg S0 + ...; S_C = exp(Gam) S0 + Kr^T U'
+        b_dq = b_dqg * b_eg
+        b_dgam = b_dqg * b_q * b_eg
+        b_dk = b_dkr * b_rf
+        b_dgam -= b_dkr * b_kr
+        b_dglast = b_dglast * tl.exp(b_glast) + tl.sum(b_dkr * b_kr, 0)
+        # W = Tm diag(beta) Kg
+        b_bkg = b_beta[:, None] * b_kg
+        b_dtm = tl.dot(b_dw, tl.trans(b_bkg), input_precision=DOT_PREC)
+        b_tdw = tl.dot(tl.trans(b_tm), b_dw, input_precision=DOT_PREC)
+        b_dbeta = tl.sum(b_kg * b_tdw, 1)
+        b_dkg = b_beta[:, None] * b_tdw
+        b_dk += b_dkg * b_eg
+        b_dgam += b_dkg * b_kg
 
-            tl.store(dq + row_s, b_dq, mask=m_ts)
-            tl.store(dk + row_s, b_dk, mask=m_ts)
-            tl.store(dgam + row_s, b_dgam, mask=m_ts)
-            tl.store(dgam_last + o_s, b_dglast, mask=m_s)
+        tl.store(dq + row_s, b_dq, mask=m_ts)
+        tl.store(dk + row_s, b_dk, mask=m_ts)
+        tl.store(dgam + row_s, b_dgam, mask=m_ts)
+        tl.store(dgam_last + o_s, b_dglast, mask=m_s)
         # this slice's share of dTm and dbeta (rows past the end are zero: not stored);
         # intra_bwd.py sums the slices
         tl.store(dtm_part + o_t[:, None] * (HV * NS * BT) + o_r[None, :], b_dtm, mask=m_t[:, None])
         tl.store(dbeta_part + o_t * (HV * NS), b_dbeta, mask=m_t)
     else:
-        o_s = i_s * BKS + tl.arange(0, BKS)
-        m_s = o_s < K
-        m_ts = m_t[:, None] & m_s[None, :]
-        row_s = (o_t[:, None]) * (HV * K) + o_s[None, :]
         b_zero = tl.zeros([BT, BKS], dtype=tl.float32)
         tl.store(dq + row_s, b_zero, mask=m_ts)
         tl.store(dk + row_s, b_zero, mask=m_ts)

@@ -203,10 +203,6 @@ BKS = 32
 # 4 of them). 32 -> 64 (with 8 warps below) for that memory: 0.5 GiB less; the
 # kernel's spills at bf16, K = 128 492 -> 88 bytes (kernel_resources.py).
 BKS_W = 64
-# ... each program walking its slice in sub-slices of BKS_W_INNER columns (None: BKS_W, one
-# sub-slice), whose accumulators live one at a time: the registers of a narrow slice at the
-# dTm shares (memory) of a wide one.
-BKS_W_INNER = None
 # intra_bwd_w's dO S0^T on bf16 operands where both are stored in bf16 (bf16 inputs
 # and chunk states): the same products as TF32's (bf16 values are exact in both), fp32
 # accumulation. H200 (2026-12-03, Triton 3.6, ours alone, layer-style, same process):
