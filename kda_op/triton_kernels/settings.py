@@ -39,10 +39,19 @@ INTRA_WU_FWD_WARPS_BF16 = 2
 # spilled) 0.414 ms, slower.
 INTRA_WU_FWD_MAXNREG = 168
 INTRA_BWD_W_WARPS = 8  # with BKS_W = 64; at 4 warps it spilled 2.4 KB
-# A cap on intra_bwd_w's registers per thread (None: the compiler's choice, 236 at eight
-# warps: one CTA an SM).
+# A cap on intra_bwd_w's registers per thread (None: the compiler's choice, 234 at eight
+# warps: one CTA an SM; see INTRA_BWD_W_STAGES for the caps timed).
 INTRA_BWD_W_MAXNREG = None
-# ... the pipeline stages of its V loop, and its V block (None: the backward's BV)
+# ... the pipeline stages of its V loop (2: the second V block's loads issued ahead), and
+# its V block (None: the backward's BV). Under Triton < 3.9 two stages pass S0 and dS_C
+# through registers (STATES_IN_REGISTERS), as its bf16 dots would otherwise read cp.async
+# tiles unfenced (kernel_resources.py --check-fences). H100 (2026-12-07, forty-third
+# session, ours alone, two rounds, kernels by GPU time, the fenced form): kda_intra_bwd_w
+# 1.880 -> 1.818 ms at B2-T8192-H8-HV32 layer-style (step 7.437 -> 7.378), 3.678 -> 3.569
+# at B8-T8192-H16 (12.276 -> 12.171). Slower the same session: V blocks of 32 at two stages
+# (2.037 / 4.026 ms, unfenced) or four (1.791 / 3.563, unfenced), of 128 (1.809 / 3.630);
+# K slices of 32 at 128 registers (two CTAs an SM: 1.895 / 3.705, and twice the dTm shares);
+# a slice of 64 or 128 walked in sub-slices of 32 (3.1-6.9 ms: spills under the cap).
 INTRA_BWD_W_STAGES = 2
 INTRA_BWD_W_BV = None
 INTRA_BWD_WARPS = 8  # 4 -> 8 on 2026-12-03 (see INTRA_BWD_BF16_DAQK)
