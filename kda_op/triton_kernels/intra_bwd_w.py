@@ -95,8 +95,6 @@ def kda_intra_bwd_w_kernel(
             dsc_base = dchunk_states + ((tl.load(ds_offsets + i_b) + c_seq) * HV + i_hv) * K * V
         else:
             dsc_base = dchunk_states + i_chunk * K * V
-        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-        b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
         b_dqg = tl.zeros([BT, BKS], dtype=tl.float32)
         b_dkr = tl.zeros([BT, BKS], dtype=tl.float32)
         b_dw = tl.zeros([BT, BKS], dtype=tl.float32)
@@ -147,7 +145,9 @@ def kda_intra_bwd_w_kernel(
         b_dk = b_dkr * b_rf
         b_dgam -= b_dkr * b_kr
         b_dglast = b_dglast * tl.exp(b_glast) + tl.sum(b_dkr * b_kr, 0)
-        # W = Tm diag(beta) Kg
+        # W = Tm diag(beta) Kg (beta and Tm loaded here: not live through the V loop)
+        b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
+        b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
         b_bkg = b_beta[:, None] * b_kg
         b_dtm = tl.dot(b_dw, tl.trans(b_bkg), input_precision=DOT_PREC)
         b_tdw = tl.dot(tl.trans(b_tm), b_dw, input_precision=DOT_PREC)
