@@ -434,7 +434,10 @@ def main(argv: list[str] | None = None) -> int:
         # short packed sequences' [SHORT_TILE, SHORT_TILE] tiles: in a launch of their own
         # (settings.SHORT_TILE_LAUNCHES 2), or picked per program in the one launch (1)
         tile = S.SHORT_TILE or 32
-        intra = [r for r in runs if r[0] in (intra_a_fwd.kda_intra_a_fwd_kernel, intra_wu_fwd.kda_intra_wu_fwd_kernel)]
+        # (the forms that read gam: gam on chip and Kb handed on take no short-sequence tiles,
+        # fwd._gam_on_chip_serves)
+        intra = [r for r in runs if r[0] in (intra_a_fwd.kda_intra_a_fwd_kernel, intra_wu_fwd.kda_intra_wu_fwd_kernel)
+                 and r[2].get("GAM_IN", True) and not r[2].get("KBG_IN")]
         runs += [(fn, sig, dict(const, **tiling), warps, stages) for fn, sig, const, warps, stages in intra
                  for tiling in (dict(TILE=tile), dict(PICK_TILE=tile))]
         # packed sequences without initial states, as training launches the scan and the

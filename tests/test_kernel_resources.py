@@ -44,6 +44,7 @@ def test_kernels_fit_the_h200_shared_memory(dtype, head_dim, scan_bv):
     ("--gate", "1"),  # fla's in-kernel gate, softplus form
     ("--gate", "2"),  # ... lower-bound form
     ("--varlen", "--gate", "1"),  # packed sequences (cu_seqlens), as fla's layer trains
+    ("--varlen",),  # ... without the gate: gam on chip beside the short-sequence tiles (forty-third session)
     # the backward's row-block dots (off by default), the forward's and backward's per-chunk kernels
     ("--gate", "2", "--set", "INTRA_BWD_A_ROW_BLOCK_DOTS=1", "INTRA_A_ROW_PROGRAMS=0", "INTRA_BWD_A_ROW_PROGRAMS=0",
      "INTRA_WU_BK=None"),
