@@ -2057,6 +2057,43 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
             _rel_close(b, ref, name)
 
 
+@pytest.mark.parametrize("case", ["batch", "packed-training"])
+def test_row_block_backward_loading_early_gives_the_same_bits(case, monkeypatch):
+    """settings.INTRA_BWD_A_ROWS_EARLY_LOADS: the row programs load the block's dA columns
+    and its rows of dq, dk, d(gam) at the start instead of where they are used. The same
+    operations on the same values: every grad bit for bit as with the loads in place; the
+    launch takes the setting; no access leaves its tensor under the interpreter."""
+    from kda_op.triton_kernels import bwd, settings
+
+    cpu, gate, cu, h0 = _row_block_problem(case, [1, 16, 17, 64, 65, 3, 130], seed=43, h0_seed=5)
+    args = [x.to(DEVICE) for x in cpu]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
+    _, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
+                                     output_final_state=h0 is not None)
+    gen = torch.Generator().manual_seed(44)
+    do = torch.randn(args[2].shape, generator=gen).to(DEVICE)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE) if h0 is not None else None
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda kw: seen.append(kw["EARLY_LOADS"]))
+    results = []
+    for early in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_BWD_A_ROWS_EARLY_LOADS", early)
+        checker = None
+        if early and DEVICE == "cpu":
+            checker = _bounds_checker(monkeypatch, args + [do, dht, h0_d, cu_d, cs, kept]
+                                      + [x for x in gate_d if isinstance(x, torch.Tensor)])
+        results.append(kda_bwd_triton(*args, None, h0_d, cs, do, dht, kept, gate=gate_d, cu_seqlens=cu_d))
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+    assert seen == [False, True], seen
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    for name, a, b in zip(names, *results):
+        if a.numel():
+            assert a.abs().max() > 0.01, name
+        assert torch.equal(a, b), name
+
+
 def _variant_matches(views, results, want, kept_names, rtol, atol):
     """A forward under a setting against the same forward without it: the kept
     intermediates ``kept_names`` (``views``: baseline, variant; not all small) and o, the

@@ -47,7 +47,11 @@ def kda_intra_bwd_a_rows_kernel(
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
     DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
     DIRECT_OUT: tl.constexpr = False,  # intra_bwd_a.store_dq_dk
+    EARLY_LOADS: tl.constexpr = False,
 ):
+    # EARLY_LOADS (settings.INTRA_BWD_A_ROWS_EARLY_LOADS): the block's columns of the dA's
+    # and its rows of dq, dk, d(gam) loaded with the chunk's slice at the start, so that the
+    # program waits on memory once instead of three times in turn (more registers live).
     # FAST_EXP: _math.exp without subnormals.
     # The K slice varies fastest, then the row block (both on the grid's first axis, so
     # the chunks keep the second, limited to 65535 as elsewhere): the programs of one
@@ -93,6 +97,17 @@ def kda_intra_bwd_a_rows_kernel(
     b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
     b_gm = tl.load(gam + gam_row(i_blk * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
 
+    from_blk = (o_r >= i_blk * BC)[:, None]
+    p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
+    m_cols = m_t[:, None] & from_blk
+    row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
+    if EARLY_LOADS:
+        b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
+        b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
+        b_dq0 = tl.load(dq + row_is, mask=m_is, other=0.0)
+        b_dk0 = tl.load(dk + row_is, mask=m_is, other=0.0)
+        b_dgam0 = tl.load(dgam + row_is, mask=m_is, other=0.0)
+
     # the block's rows: columns up to its end (past it dA is zero, the factor dropped)
     p_rows = (o_i[:, None]) * (HV * BT) + o_r[None, :]
     b_dqk_i = tl.load(daqk + p_rows, mask=m_i[:, None], other=0.0)
@@ -104,19 +119,20 @@ def kda_intra_bwd_a_rows_kernel(
 
     # the block's columns: rows from its start (before it dA is zero, and the factor,
     # which could overflow there, is dropped)
-    from_blk = (o_r >= i_blk * BC)[:, None]
     b_er = exp(tl.where(from_blk, b_g - b_gm[None, :], float("-inf")), FAST_EXP)
-    p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
-    m_cols = m_t[:, None] & from_blk
-    b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
-    b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
+    if not EARLY_LOADS:
+        b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
+        b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
     b_tkj = exp(b_gm[None, :] - b_gi, FAST_EXP) * (tl.dot(tl.trans(b_dqk_j), b_q * b_er, input_precision=DOT_PREC)
                                                   + tl.dot(tl.trans(b_dkk_j), b_k * b_er, input_precision=DOT_PREC))
 
-    row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
-    b_dq = tl.load(dq + row_is, mask=m_is, other=0.0) + b_tq
-    b_dk = tl.load(dk + row_is, mask=m_is, other=0.0) + b_tk + b_tkj
-    b_dgam = tl.load(dgam + row_is, mask=m_is, other=0.0) + b_qi * b_tq + b_ki * (b_tk - b_tkj)
+    if not EARLY_LOADS:
+        b_dq0 = tl.load(dq + row_is, mask=m_is, other=0.0)
+        b_dk0 = tl.load(dk + row_is, mask=m_is, other=0.0)
+        b_dgam0 = tl.load(dgam + row_is, mask=m_is, other=0.0)
+    b_dq = b_dq0 + b_tq
+    b_dk = b_dk0 + b_tk + b_tkj
+    b_dgam = b_dgam0 + b_qi * b_tq + b_ki * (b_tk - b_tkj)
     store_dq_dk(dq, dk, dq_out, dk_out, out_scale, row_is, m_is, b_dq, b_dk, DIRECT_OUT)
     tl.store(dgam + row_is, b_dgam, mask=m_is)
 

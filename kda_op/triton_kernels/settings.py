@@ -313,6 +313,10 @@ INTRA_BWD_A_ROW_PROGRAMS = 1
 INTRA_BWD_A_ROWS_WARPS = 4
 INTRA_BWD_A_ROWS_MAXNREG = 128
 INTRA_BWD_A_ROWS_FAST_EXP = 1
+# The row programs' loads of the block's dA columns and of its rows of dq, dk, d(gam) issued
+# at the start with the chunk's slice (1) instead of where they are used (0): one wait on
+# memory instead of three in turn. Built 2026-12-07 (forty-third session), not timed yet.
+INTRA_BWD_A_ROWS_EARLY_LOADS = 0
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
 # K slices and warps per program. H200 (2026-12-03, B2-T8192-H8-HV32 layer-style, ours
 # alone): 0.306 ms at 32 / four warps, 0.223 at 32 / two (forward+backward 8.549 ->
