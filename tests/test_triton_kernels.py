@@ -2094,6 +2094,32 @@ def test_row_block_backward_loading_early_gives_the_same_bits(case, monkeypatch)
         assert torch.equal(a, b), name
 
 
+def test_intra_bwd_w_loading_q_k_gam_early_gives_the_same_bits(monkeypatch):
+    """settings.INTRA_BWD_W_EARLY_QKG: intra_bwd_w loads its q, k and gam slices before its
+    V loop instead of after it, bf16 inputs. The same operations on the same values: every
+    grad bit for bit; the launch takes the setting, and fp32 inputs keep the loads in place."""
+    from kda_op.triton_kernels import bwd, settings
+
+    inputs = _inputs(2, 2 * CHUNK_SIZE + 9, 1, 2, 32, 24, True, seed=151)
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_w_kernel", lambda kw: seen.append(kw["EARLY_QKG"]))
+    for dtype in (torch.bfloat16, torch.float32):
+        args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+        h0 = inputs["initial_state"]
+        o, ht, cs, _ = kda_fwd_triton(*args, None, h0)
+        gen = torch.Generator().manual_seed(152)
+        do = torch.randn(o.shape, generator=gen).to(DEVICE, dtype)
+        dht = torch.randn(ht.shape, generator=gen).to(DEVICE)
+        results = []
+        for early in (0, 1):
+            monkeypatch.setattr(settings, "INTRA_BWD_W_EARLY_QKG", early)
+            results.append(kda_bwd_triton(*args, None, h0, cs, do, dht))
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), *results):
+            assert a.float().abs().max() > 0.01, name
+            assert torch.equal(a, b), name
+    assert seen == [False, True, False, False], seen
+
+
 def _variant_matches(views, results, want, kept_names, rtol, atol):
     """A forward under a setting against the same forward without it: the kept
     intermediates ``kept_names`` (``views``: baseline, variant; not all small) and o, the

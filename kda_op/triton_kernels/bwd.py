@@ -189,6 +189,8 @@ def kda_bwd_triton(
             # (with loads ahead, where Triton does not fence the wgmmas reading their tiles,
             # S0 and dS_C pass through registers: _compat.fences_wgmma_after_cp_async)
             STATES_IN_REGISTERS=S.INTRA_BWD_W_STAGES > 1 and not _cp_async_wgmma_fenced(),
+            # (fp32 inputs not: their wider q, k tiles spill 1.4 KB loaded ahead)
+            EARLY_QKG=bool(S.INTRA_BWD_W_EARLY_QKG) and q.dtype != torch.float32,
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
             COMPACT=compact, num_warps=S.INTRA_BWD_W_WARPS, num_stages=S.INTRA_BWD_W_STAGES,
             **(dict(maxnreg=S.INTRA_BWD_W_MAXNREG) if S.INTRA_BWD_W_MAXNREG else {}),

@@ -35,6 +35,7 @@ def kda_intra_bwd_w_kernel(
     IS_VARLEN: tl.constexpr = False, HAS_H0: tl.constexpr = True, HAS_DHT: tl.constexpr = True,
     COMPACT: tl.constexpr = False, BF16_DQG: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     BF16_DKR: tl.constexpr = False, FAST_EXP: tl.constexpr = False, STATES_IN_REGISTERS: tl.constexpr = False,
+    EARLY_QKG: tl.constexpr = False,
 ):
     # FAST_EXP: _math.exp without subnormals.
     # BF16_DQG (settings.INTRA_BWD_W_BF16_DQG): dO and the chunk states both hold bf16
@@ -95,6 +96,10 @@ def kda_intra_bwd_w_kernel(
             dsc_base = dchunk_states + ((tl.load(ds_offsets + i_b) + c_seq) * HV + i_hv) * K * V
         else:
             dsc_base = dchunk_states + i_chunk * K * V
+        if EARLY_QKG:  # (settings.INTRA_BWD_W_EARLY_QKG) in flight while the V loop runs
+            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0)
+            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0)
+            b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
         b_dqg = tl.zeros([BT, BKS], dtype=tl.float32)
         b_dkr = tl.zeros([BT, BKS], dtype=tl.float32)
         b_dw = tl.zeros([BT, BKS], dtype=tl.float32)
@@ -130,9 +135,13 @@ def kda_intra_bwd_w_kernel(
             b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
             b_dglast += tl.sum(b_s0 * b_dsc.to(tl.float32), 1)
 
-        b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-        b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        if EARLY_QKG:
+            b_q = b_q.to(tl.float32) * scale
+            b_k = b_k.to(tl.float32)
+        else:
+            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+            b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
         b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_s, mask=m_s, other=0.0)
         b_eg = exp(b_gam, FAST_EXP)
         b_kg = b_k * b_eg

@@ -54,6 +54,11 @@ INTRA_BWD_W_MAXNREG = None
 # a slice of 64 or 128 walked in sub-slices of 32 (3.1-6.9 ms: spills under the cap).
 INTRA_BWD_W_STAGES = 2
 INTRA_BWD_W_BV = None
+# intra_bwd_w's q, k and gam slices loaded before its V loop (1: in flight while it runs)
+# instead of after it (0), bf16 / fp16 inputs. sm_90a, Triton 3.6, bf16: 223 registers
+# against 236, no spill either way (fp32 inputs keep 0: 1.4 KB of spills). Built 2026-12-07
+# (forty-third session), not timed yet.
+INTRA_BWD_W_EARLY_QKG = 0
 INTRA_BWD_WARPS = 8  # 4 -> 8 on 2026-12-03 (see INTRA_BWD_BF16_DAQK)
 # intra_bwd's register cap (None: the compiler's choice) and the pipeline stages of its V
 # loop. Uncapped at three stages it took 233 registers and 128 KB of shared memory at eight
