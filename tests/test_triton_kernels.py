@@ -2120,6 +2120,49 @@ def test_intra_bwd_w_loading_q_k_gam_early_gives_the_same_bits(monkeypatch):
     assert seen == [False, True, False, False], seen
 
 
+@pytest.mark.parametrize("case", ["batch", "packed-training"])
+def test_row_block_backward_over_a_key_heads_value_heads_gives_the_same_bits(case, monkeypatch):
+    """settings.INTRA_BWD_A_ROWS_GVA (G = 2 here): one row program per key head walks its
+    value heads, sums their dq and dk in gva_reduce's order and writes the op's dq, dk;
+    gva_reduce does not run. Every grad bit for bit as one program per value head and
+    gva_reduce; the launch's grid has B * H programs on its last axis; both forms with the
+    early loads too; no access leaves its tensor under the interpreter."""
+    from kda_op.triton_kernels import bwd, settings
+
+    cpu, gate, cu, h0 = _row_block_problem(case, [1, 16, 17, 64, 65, 3, 130], seed=45, h0_seed=6)
+    args = [x.to(DEVICE) for x in cpu]
+    B, H, HV = args[0].shape[0], args[0].shape[2], args[2].shape[2]
+    assert HV // H == 2
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
+    _, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
+                                     output_final_state=h0 is not None)
+    gen = torch.Generator().manual_seed(46)
+    do = torch.randn(args[2].shape, generator=gen).to(DEVICE)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE) if h0 is not None else None
+    seen = []
+    _on_grid(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda grid, kw: seen.append((grid[2], kw["GVA"])))
+    _on_launch(monkeypatch, bwd, "kda_gva_reduce_kernel", lambda kw: seen.append("gva_reduce"))
+    results = []
+    for gva, early in ((0, 0), (1, 0), (1, 1)):
+        monkeypatch.setattr(settings, "INTRA_BWD_A_ROWS_GVA", gva)
+        monkeypatch.setattr(settings, "INTRA_BWD_A_ROWS_EARLY_LOADS", early)
+        checker = None
+        if gva and not early and DEVICE == "cpu":  # (one checker: a second would stack on the first)
+            checker = _bounds_checker(monkeypatch, args + [do, dht, h0_d, cu_d, cs, kept]
+                                      + [x for x in gate_d if isinstance(x, torch.Tensor)])
+        results.append(kda_bwd_triton(*args, None, h0_d, cs, do, dht, kept, gate=gate_d, cu_seqlens=cu_d))
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+    assert seen == [(B * HV, False), "gva_reduce", (B * H, True), (B * H, True)], seen
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    for other in results[1:]:
+        for name, a, b in zip(names, results[0], other):
+            if a.numel():
+                assert a.abs().max() > 0.01, name
+            assert torch.equal(a, b), name
+
+
 def _variant_matches(views, results, want, kept_names, rtol, atol):
     """A forward under a setting against the same forward without it: the kept
     intermediates ``kept_names`` (``views``: baseline, variant; not all small) and o, the

@@ -322,6 +322,13 @@ INTRA_BWD_A_ROWS_FAST_EXP = 1
 # at the start with the chunk's slice (1) instead of where they are used (0): one wait on
 # memory instead of three in turn. Built 2026-12-07 (forty-third session), not timed yet.
 INTRA_BWD_A_ROWS_EARLY_LOADS = 0
+# G = HV / H > 1: one row program per key head walking its G value heads (1), which sums
+# their dq and dk in registers in gva_reduce's order and writes the op's dq and dk itself,
+# instead of one per value head writing the fp32 per value head dq, dk back for gva_reduce
+# (0). At B2-T8192-H8-HV32 that is 0.54 GB written and read again, and a launch, less; q
+# and k are loaded once for the four value heads; a quarter of the programs, each four
+# heads long. The same bits. Built 2026-12-07 (forty-third session), not timed yet.
+INTRA_BWD_A_ROWS_GVA = 0
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
 # K slices and warps per program. H200 (2026-12-03, B2-T8192-H8-HV32 layer-style, ours
 # alone): 0.306 ms at 32 / four warps, 0.223 at 32 / two (forward+backward 8.549 ->
