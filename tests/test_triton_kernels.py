@@ -2057,6 +2057,22 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
             _rel_close(b, ref, name)
 
 
+def _row_block_forward(case, seed, h0_seed):
+    """A row-block problem (_row_block_problem, lengths about each block edge) on DEVICE,
+    its forward kept, and a do / dht to take back: ``(args, gate, cu_seqlens, h0, chunk
+    states, kept, do, dht)``."""
+    cpu, gate, cu, h0 = _row_block_problem(case, [1, 16, 17, 64, 65, 3, 130], seed=seed, h0_seed=h0_seed)
+    args = [x.to(DEVICE) for x in cpu]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
+    _, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
+                                     output_final_state=h0 is not None)
+    gen = torch.Generator().manual_seed(seed + 1)
+    do = torch.randn(args[2].shape, generator=gen).to(DEVICE)
+    dht = torch.randn(ht.shape, generator=gen).to(DEVICE) if h0 is not None else None
+    return args, gate_d, cu_d, h0_d, cs, kept, do, dht
+
+
 @pytest.mark.parametrize("case", ["batch", "packed-training"])
 def test_row_block_backward_loading_early_gives_the_same_bits(case, monkeypatch):
     """settings.INTRA_BWD_A_ROWS_EARLY_LOADS: the row programs load the block's dA columns
@@ -2065,15 +2081,7 @@ def test_row_block_backward_loading_early_gives_the_same_bits(case, monkeypatch)
     launch takes the setting; no access leaves its tensor under the interpreter."""
     from kda_op.triton_kernels import bwd, settings
 
-    cpu, gate, cu, h0 = _row_block_problem(case, [1, 16, 17, 64, 65, 3, 130], seed=43, h0_seed=5)
-    args = [x.to(DEVICE) for x in cpu]
-    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
-    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
-    _, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
-                                     output_final_state=h0 is not None)
-    gen = torch.Generator().manual_seed(44)
-    do = torch.randn(args[2].shape, generator=gen).to(DEVICE)
-    dht = torch.randn(ht.shape, generator=gen).to(DEVICE) if h0 is not None else None
+    args, gate_d, cu_d, h0_d, cs, kept, do, dht = _row_block_forward(case, seed=43, h0_seed=5)
     seen = []
     _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda kw: seen.append(kw["EARLY_LOADS"]))
     results = []
@@ -2129,17 +2137,9 @@ def test_row_block_backward_over_a_key_heads_value_heads_gives_the_same_bits(cas
     early loads too; no access leaves its tensor under the interpreter."""
     from kda_op.triton_kernels import bwd, settings
 
-    cpu, gate, cu, h0 = _row_block_problem(case, [1, 16, 17, 64, 65, 3, 130], seed=45, h0_seed=6)
-    args = [x.to(DEVICE) for x in cpu]
+    args, gate_d, cu_d, h0_d, cs, kept, do, dht = _row_block_forward(case, seed=45, h0_seed=6)
     B, H, HV = args[0].shape[0], args[0].shape[2], args[2].shape[2]
     assert HV // H == 2
-    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
-    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
-    _, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
-                                     output_final_state=h0 is not None)
-    gen = torch.Generator().manual_seed(46)
-    do = torch.randn(args[2].shape, generator=gen).to(DEVICE)
-    dht = torch.randn(ht.shape, generator=gen).to(DEVICE) if h0 is not None else None
     seen = []
     _on_grid(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda grid, kw: seen.append((grid[2], kw["GVA"])))
     _on_launch(monkeypatch, bwd, "kda_gva_reduce_kernel", lambda kw: seen.append("gva_reduce"))
