@@ -327,7 +327,8 @@ INTRA_BWD_A_ROWS_EARLY_LOADS = 0
 # instead of one per value head writing the fp32 per value head dq, dk back for gva_reduce
 # (0). At B2-T8192-H8-HV32 that is 0.54 GB written and read again, and a launch, less; q
 # and k are loaded once for the four value heads; a quarter of the programs, each four
-# heads long. The same bits. Built 2026-12-07 (forty-third session), not timed yet.
+# heads long. The same bits under the interpreter. Built 2026-12-07 (forty-third session),
+# not timed yet.
 INTRA_BWD_A_ROWS_GVA = 0
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
 # K slices and warps per program. H200 (2026-12-03, B2-T8192-H8-HV32 layer-style, ours
