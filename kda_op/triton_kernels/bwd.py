@@ -225,7 +225,8 @@ def kda_bwd_triton(
     ga = _gate_args(gate, g)
     # G > 1 (settings.INTRA_BWD_A_ROWS_GVA): the row programs sum the value heads' dq and dk
     # and write the op's themselves; gva_reduce does not run either
-    rows_gva = G > 1 and bool(S.INTRA_BWD_A_ROWS_GVA) and _row_programs_serve(ga)
+    rows = _row_programs_serve(ga)
+    rows_gva = rows and G > 1 and bool(S.INTRA_BWD_A_ROWS_GVA)
     direct = _direct_dq_dk(G) or rows_gva
     dq = torch.empty_like(q) if direct else None
     dk = torch.empty_like(k) if direct else None
@@ -240,7 +241,7 @@ def kda_bwd_triton(
         args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, *out,
                 g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part, *s["VL_CHUNK"], scale, T, NC)
         flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], IS_VARLEN=s["IS_VARLEN"])
-        if _row_programs_serve(ga):
+        if rows:
             # one program per row block (settings.INTRA_BWD_A_ROW_PROGRAMS), then dg
             kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * (H if rows_gva else HV))](
                 q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *out, *s["VL_CHUNK"], scale, T, NC,

@@ -142,11 +142,8 @@ def _row_block_grads(gam, daqk, dakk, dq, dk, dgam, b_q, b_k, b_qi, b_ki, row_is
     p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
     m_cols = m_t[:, None] & from_blk
     if EARLY_LOADS:
-        b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
-        b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
-        b_dq0 = tl.load(dq + row_is, mask=m_is, other=0.0)
-        b_dk0 = tl.load(dk + row_is, mask=m_is, other=0.0)
-        b_dgam0 = tl.load(dgam + row_is, mask=m_is, other=0.0)
+        b_dqk_j, b_dkk_j = _block_columns(daqk, dakk, p_cols, m_cols)
+        b_dq0, b_dk0, b_dgam0 = _block_rows_so_far(dq, dk, dgam, row_is, m_is)
 
     # the block's rows: columns up to its end (past it dA is zero, the factor dropped)
     p_rows = (o_i[:, None]) * (HV * BT) + o_r[None, :]
@@ -161,18 +158,30 @@ def _row_block_grads(gam, daqk, dakk, dq, dk, dgam, b_q, b_k, b_qi, b_ki, row_is
     # which could overflow there, is dropped)
     b_er = exp(tl.where(from_blk, b_g - b_gm[None, :], float("-inf")), FAST_EXP)
     if not EARLY_LOADS:
-        b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
-        b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
+        b_dqk_j, b_dkk_j = _block_columns(daqk, dakk, p_cols, m_cols)
     b_tkj = exp(b_gm[None, :] - b_gi, FAST_EXP) * (tl.dot(tl.trans(b_dqk_j), b_q * b_er, input_precision=DOT_PREC)
                                                   + tl.dot(tl.trans(b_dkk_j), b_k * b_er, input_precision=DOT_PREC))
 
     if not EARLY_LOADS:
-        b_dq0 = tl.load(dq + row_is, mask=m_is, other=0.0)
-        b_dk0 = tl.load(dk + row_is, mask=m_is, other=0.0)
-        b_dgam0 = tl.load(dgam + row_is, mask=m_is, other=0.0)
+        b_dq0, b_dk0, b_dgam0 = _block_rows_so_far(dq, dk, dgam, row_is, m_is)
     b_dq = b_dq0 + b_tq
     b_dk = b_dk0 + b_tk + b_tkj
     b_dgam = b_dgam0 + b_qi * b_tq + b_ki * (b_tk - b_tkj)
+    return b_dq, b_dk, b_dgam
+
+
+@triton.jit
+def _block_columns(daqk, dakk, p_cols, m_cols):
+    """The block's columns of dA_qk and dA_kk."""
+    return tl.load(daqk + p_cols, mask=m_cols, other=0.0), tl.load(dakk + p_cols, mask=m_cols, other=0.0)
+
+
+@triton.jit
+def _block_rows_so_far(dq, dk, dgam, row_is, m_is):
+    """The block's rows of the fp32 per value head dq, dk, d(gam) (the earlier stages')."""
+    b_dq = tl.load(dq + row_is, mask=m_is, other=0.0)
+    b_dk = tl.load(dk + row_is, mask=m_is, other=0.0)
+    b_dgam = tl.load(dgam + row_is, mask=m_is, other=0.0)
     return b_dq, b_dk, b_dgam
 
 

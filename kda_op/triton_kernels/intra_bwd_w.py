@@ -96,10 +96,10 @@ def kda_intra_bwd_w_kernel(
             dsc_base = dchunk_states + ((tl.load(ds_offsets + i_b) + c_seq) * HV + i_hv) * K * V
         else:
             dsc_base = dchunk_states + i_chunk * K * V
+        p_qk = (o_t[:, None]) * (H * K) + o_s[None, :]
+        p_gam = (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :]
         if EARLY_QKG:  # (settings.INTRA_BWD_W_EARLY_QKG) in flight while the V loop runs
-            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0)
-            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0)
-            b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+            b_q, b_k, b_gam = _qkg_slice(q, k, gam, p_qk, p_gam, m_ts, m_s)
         b_dqg = tl.zeros([BT, BKS], dtype=tl.float32)
         b_dkr = tl.zeros([BT, BKS], dtype=tl.float32)
         b_dw = tl.zeros([BT, BKS], dtype=tl.float32)
@@ -135,13 +135,10 @@ def kda_intra_bwd_w_kernel(
             b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
             b_dglast += tl.sum(b_s0 * b_dsc.to(tl.float32), 1)
 
-        if EARLY_QKG:
-            b_q = b_q.to(tl.float32) * scale
-            b_k = b_k.to(tl.float32)
-        else:
-            b_q = tl.load(q + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-            b_k = tl.load(k + (o_t[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-            b_gam = tl.load(gam + (gam_row(o_t, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        if not EARLY_QKG:
+            b_q, b_k, b_gam = _qkg_slice(q, k, gam, p_qk, p_gam, m_ts, m_s)
+        b_q = b_q.to(tl.float32) * scale
+        b_k = b_k.to(tl.float32)
         b_glast = tl.load(gam + gam_row(BT - 1, T) * (HV * K) + o_s, mask=m_s, other=0.0)
         b_eg = exp(b_gam, FAST_EXP)
         b_kg = b_k * b_eg
@@ -182,3 +179,12 @@ def kda_intra_bwd_w_kernel(
         tl.store(dtm_part + o_t[:, None] * (HV * NS * BT) + o_r[None, :], tl.zeros([BT, BT], dtype=tl.float32),
                  mask=m_t[:, None])
         tl.store(dbeta_part + o_t * (HV * NS), tl.zeros([BT], dtype=tl.float32), mask=m_t)
+
+
+@triton.jit
+def _qkg_slice(q, k, gam, p_qk, p_gam, m_ts, m_s):
+    """The chunk's q, k (as stored) and gam tiles of the K slice."""
+    b_q = tl.load(q + p_qk, mask=m_ts, other=0.0)
+    b_k = tl.load(k + p_qk, mask=m_ts, other=0.0)
+    b_gam = tl.load(gam + p_gam, mask=m_s[None, :], other=0.0)
+    return b_q, b_k, b_gam
