@@ -348,7 +348,6 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dq=f32, dk=f32, dgam=f32, **dq_dk_out, scale="fp32",
               **ints),
          dict(**varlen, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec, DIRECT_OUT=bool(S.DIRECT_DQ_DK),
-              EARLY_LOADS=bool(S.INTRA_BWD_A_ROWS_EARLY_LOADS), GVA=bool(S.INTRA_BWD_A_ROWS_GVA),
               FAST_EXP=bool(S.FAST_EXP) and bool(S.INTRA_BWD_A_ROWS_FAST_EXP)),
          S.INTRA_BWD_A_ROWS_WARPS, 3),
         (intra_bwd_a_rows.kda_dg_of_chunk_kernel,

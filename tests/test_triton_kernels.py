@@ -2057,55 +2057,12 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
             _rel_close(b, ref, name)
 
 
-def _row_block_forward(case, seed, h0_seed):
-    """A row-block problem (_row_block_problem, lengths about each block edge) on DEVICE,
-    its forward kept, and a do / dht to take back: ``(args, gate, cu_seqlens, h0, chunk
-    states, kept, do, dht)``."""
-    cpu, gate, cu, h0 = _row_block_problem(case, [1, 16, 17, 64, 65, 3, 130], seed=seed, h0_seed=h0_seed)
-    args = [x.to(DEVICE) for x in cpu]
-    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
-    cu_d, h0_d = (None if x is None else x.to(DEVICE) for x in (cu, h0))
-    _, ht, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
-                                     output_final_state=h0 is not None)
-    gen = torch.Generator().manual_seed(seed + 1)
-    do = torch.randn(args[2].shape, generator=gen).to(DEVICE)
-    dht = torch.randn(ht.shape, generator=gen).to(DEVICE) if h0 is not None else None
-    return args, gate_d, cu_d, h0_d, cs, kept, do, dht
-
-
-@pytest.mark.parametrize("case", ["batch", "packed-training"])
-def test_row_block_backward_loading_early_gives_the_same_bits(case, monkeypatch):
-    """settings.INTRA_BWD_A_ROWS_EARLY_LOADS: the row programs load the block's dA columns
-    and its rows of dq, dk, d(gam) at the start instead of where they are used. The same
-    operations on the same values: every grad bit for bit as with the loads in place; the
-    launch takes the setting; no access leaves its tensor under the interpreter."""
-    from kda_op.triton_kernels import bwd, settings
-
-    args, gate_d, cu_d, h0_d, cs, kept, do, dht = _row_block_forward(case, seed=43, h0_seed=5)
-    seen = []
-    _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda kw: seen.append(kw["EARLY_LOADS"]))
-    results = []
-    for early in (0, 1):
-        monkeypatch.setattr(settings, "INTRA_BWD_A_ROWS_EARLY_LOADS", early)
-        checker = None
-        if early and DEVICE == "cpu":
-            checker = _bounds_checker(monkeypatch, args + [do, dht, h0_d, cu_d, cs, kept]
-                                      + [x for x in gate_d if isinstance(x, torch.Tensor)])
-        results.append(kda_bwd_triton(*args, None, h0_d, cs, do, dht, kept, gate=gate_d, cu_seqlens=cu_d))
-        if checker is not None:
-            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
-    assert seen == [False, True], seen
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for name, a, b in zip(names, *results):
-        if a.numel():
-            assert a.abs().max() > 0.01, name
-        assert torch.equal(a, b), name
-
-
-def test_intra_bwd_w_loading_q_k_gam_early_gives_the_same_bits(monkeypatch):
+def test_intra_bwd_w_loading_q_k_gam_early_gives_the_same_grads(monkeypatch):
     """settings.INTRA_BWD_W_EARLY_QKG: intra_bwd_w loads its q, k and gam slices before its
     V loop instead of after it, bf16 inputs. The same operations on the same values: every
-    grad bit for bit; the launch takes the setting, and fp32 inputs keep the loads in place."""
+    grad bit for bit under the interpreter; compiled, dg within fp32 rounding (the loads'
+    place changes which products the compiler contracts into FMAs); the launch takes the
+    setting, and fp32 inputs keep the loads in place."""
     from kda_op.triton_kernels import bwd, settings
 
     inputs = _inputs(2, 2 * CHUNK_SIZE + 9, 1, 2, 32, 24, True, seed=151)
@@ -2124,43 +2081,13 @@ def test_intra_bwd_w_loading_q_k_gam_early_gives_the_same_bits(monkeypatch):
             results.append(kda_bwd_triton(*args, None, h0, cs, do, dht))
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), *results):
             assert a.float().abs().max() > 0.01, name
-            assert torch.equal(a, b), name
+            if name == "dg" and DEVICE != "cpu":
+                # fp32 FMA contraction differs between the two compiled forms (seen on an
+                # H100: last-bit differences in dg only, 2026-12-07)
+                torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+            else:
+                assert torch.equal(a, b), name
     assert seen == [False, True, False, False], seen
-
-
-@pytest.mark.parametrize("case", ["batch", "packed-training"])
-def test_row_block_backward_over_a_key_heads_value_heads_gives_the_same_bits(case, monkeypatch):
-    """settings.INTRA_BWD_A_ROWS_GVA (G = 2 here): one row program per key head walks its
-    value heads, sums their dq and dk in gva_reduce's order and writes the op's dq, dk;
-    gva_reduce does not run. Every grad bit for bit as one program per value head and
-    gva_reduce; the launch's grid has B * H programs on its last axis; both forms with the
-    early loads too; no access leaves its tensor under the interpreter."""
-    from kda_op.triton_kernels import bwd, settings
-
-    args, gate_d, cu_d, h0_d, cs, kept, do, dht = _row_block_forward(case, seed=45, h0_seed=6)
-    B, H, HV = args[0].shape[0], args[0].shape[2], args[2].shape[2]
-    assert HV // H == 2
-    seen = []
-    _on_grid(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda grid, kw: seen.append((grid[2], kw["GVA"])))
-    _on_launch(monkeypatch, bwd, "kda_gva_reduce_kernel", lambda kw: seen.append("gva_reduce"))
-    results = []
-    for gva, early in ((0, 0), (1, 0), (1, 1)):
-        monkeypatch.setattr(settings, "INTRA_BWD_A_ROWS_GVA", gva)
-        monkeypatch.setattr(settings, "INTRA_BWD_A_ROWS_EARLY_LOADS", early)
-        checker = None
-        if gva and not early and DEVICE == "cpu":  # (one checker: a second would stack on the first)
-            checker = _bounds_checker(monkeypatch, args + [do, dht, h0_d, cu_d, cs, kept]
-                                      + [x for x in gate_d if isinstance(x, torch.Tensor)])
-        results.append(kda_bwd_triton(*args, None, h0_d, cs, do, dht, kept, gate=gate_d, cu_seqlens=cu_d))
-        if checker is not None:
-            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
-    assert seen == [(B * HV, False), "gva_reduce", (B * H, True), (B * H, True)], seen
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for other in results[1:]:
-        for name, a, b in zip(names, results[0], other):
-            if a.numel():
-                assert a.abs().max() > 0.01, name
-            assert torch.equal(a, b), name
 
 
 def _variant_matches(views, results, want, kept_names, rtol, atol):

@@ -222,12 +222,7 @@ def kda_bwd_triton(
     dg = torch.empty_like(g)
     # G = 1 (settings.DIRECT_DQ_DK): the backward through the A's writes the op's dq and dk
     # itself, and gva_reduce, with nothing to sum, does not run
-    ga = _gate_args(gate, g)
-    # G > 1 (settings.INTRA_BWD_A_ROWS_GVA): the row programs sum the value heads' dq and dk
-    # and write the op's themselves; gva_reduce does not run either
-    rows = _row_programs_serve(ga)
-    rows_gva = rows and G > 1 and bool(S.INTRA_BWD_A_ROWS_GVA)
-    direct = _direct_dq_dk(G) or rows_gva
+    direct = _direct_dq_dk(G)
     dq = torch.empty_like(q) if direct else None
     dk = torch.empty_like(k) if direct else None
     out = (dq, dk, scale) if direct else (dq_e, dk_e, 1.0)  # intra_bwd_a.store_dq_dk (unread without DIRECT_OUT)
@@ -235,19 +230,19 @@ def kda_bwd_triton(
         common = dict(H=H, HV=HV, K=K, BT=BT, BC=BC, DOT_PREC=prec, STEEP_DOT_PREC=_steep_dot_precision(q.dtype),
                       MAX_SPLIT=MAX_SPLIT, BLOCK_REFS=bool(S.STEEP_BLOCK_REFS),
                       ROW_BLOCK_DOTS=bool(S.INTRA_BWD_A_ROW_BLOCK_DOTS), FAST_EXP=_fast_exp(), DIRECT_OUT=direct)
+        ga = _gate_args(gate, g)
         # the gate's partial sums over each chunk's rows (written where GATE)
         gate_parts = torch.empty(2, B, NC, HV, K, **f32) if gate is not None else None
         ddt_part, dla_part = (gate_parts[0], gate_parts[1]) if gate is not None else (dg, dg)  # unread without GATE
         args = (q, k, gam, dakk, daqk, dgam_last, steep, dq_e, dk_e, dgam, dg, *out,
                 g, ga["A_log"], ga["dt_bias"], ga["lower_bound"], ddt_part, dla_part, *s["VL_CHUNK"], scale, T, NC)
         flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], IS_VARLEN=s["IS_VARLEN"])
-        if rows:
+        if _row_programs_serve(ga):
             # one program per row block (settings.INTRA_BWD_A_ROW_PROGRAMS), then dg
-            kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * (H if rows_gva else HV))](
+            kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * HV)](
                 q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *out, *s["VL_CHUNK"], scale, T, NC,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
                 FAST_EXP=_fast_exp() and bool(S.INTRA_BWD_A_ROWS_FAST_EXP), DIRECT_OUT=direct,
-                EARLY_LOADS=bool(S.INTRA_BWD_A_ROWS_EARLY_LOADS), GVA=rows_gva,
                 num_warps=S.INTRA_BWD_A_ROWS_WARPS,
                 **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),
             )

@@ -47,16 +47,7 @@ def kda_intra_bwd_a_rows_kernel(
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
     DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
     DIRECT_OUT: tl.constexpr = False,  # intra_bwd_a.store_dq_dk
-    EARLY_LOADS: tl.constexpr = False, GVA: tl.constexpr = False,
 ):
-    # GVA (settings.INTRA_BWD_A_ROWS_GVA; G = HV / H > 1): one program per key head (the
-    # grid's last axis B * H) walks the G value heads that read it, sums their dq and dk in
-    # registers in gva_reduce's order and writes the op's dq, dk itself, so that the fp32 per
-    # value head dq, dk are read but not written back and gva_reduce does not run; q and k
-    # are loaded once for the G heads.
-    # EARLY_LOADS (settings.INTRA_BWD_A_ROWS_EARLY_LOADS): the block's columns of the dA's
-    # and its rows of dq, dk, d(gam) loaded with the chunk's slice at the start, so that the
-    # program waits on memory once instead of three times in turn (more registers live).
     # FAST_EXP: _math.exp without subnormals.
     # The K slice varies fastest, then the row block (both on the grid's first axis, so
     # the chunks keep the second, limited to 65535 as elsewhere): the programs of one
@@ -66,9 +57,6 @@ def kda_intra_bwd_a_rows_kernel(
     i_blk = tl.program_id(0) // NKS
     i_c = tl.program_id(1)
     i_bh = tl.program_id(2).to(tl.int64)
-    G = HV // H
-    if GVA:  # the key head's first value head
-        i_bh = (i_bh // H) * HV + (i_bh % H) * G
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
     # a block past the chunk's rows (short or last chunks; an unused slot, T <= 0): nothing
     if i_blk * BC >= T:
@@ -82,10 +70,7 @@ def kda_intra_bwd_a_rows_kernel(
     daqk += (bos * HV + i_hv) * BT
     dq += (bos * HV + i_hv) * K
     dk += (bos * HV + i_hv) * K
-    if GVA:  # the op's [B, T, H, K] dq, dk
-        dq_out += (bos * H + i_h) * K
-        dk_out += (bos * H + i_h) * K
-    elif DIRECT_OUT:  # the op's [B, T, H, K] dq, dk (G = 1: H = HV)
+    if DIRECT_OUT:  # the op's [B, T, H, K] dq, dk (G = 1: H = HV)
         dq_out += (bos * HV + i_hv) * K
         dk_out += (bos * HV + i_hv) * K
     dgam += (bos * HV + i_hv) * K
@@ -99,51 +84,14 @@ def kda_intra_bwd_a_rows_kernel(
     m_i = o_i < T
     m_is = m_i[:, None] & m_s[None, :]
 
-    # the chunk's slice and the block's rows of it (the key head's: once for the G value heads
-    # under GVA)
+    # the chunk's slice and the block's rows of it
     b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
     b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+    b_g = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
     b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
     b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-    row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
-    if GVA:
-        b_dq_sum = tl.zeros([BC, BKD], dtype=tl.float32)
-        b_dk_sum = tl.zeros([BC, BKD], dtype=tl.float32)
-        for j in range(G):
-            b_dq, b_dk, b_dgam = _row_block_grads(gam + j * K, daqk + j * BT, dakk + j * BT, dq + j * K, dk + j * K,
-                                                  dgam + j * K, b_q, b_k, b_qi, b_ki, row_is, o_r, o_s, m_s, m_t, o_i,
-                                                  m_i, m_is, i_blk, T, HV, K, BT, BC, DOT_PREC, FAST_EXP, EARLY_LOADS)
-            tl.store(dgam + j * K + row_is, b_dgam, mask=m_is)
-            # gva_reduce's sum, in its order
-            b_dq_sum += b_dq
-            b_dk_sum += b_dk
-        row_out = (o_i[:, None]) * (H * K) + o_s[None, :]
-        tl.store(dq_out + row_out, (b_dq_sum * out_scale).to(dq_out.dtype.element_ty), mask=m_is)
-        tl.store(dk_out + row_out, b_dk_sum.to(dk_out.dtype.element_ty), mask=m_is)
-    else:
-        b_dq, b_dk, b_dgam = _row_block_grads(gam, daqk, dakk, dq, dk, dgam, b_q, b_k, b_qi, b_ki, row_is, o_r, o_s,
-                                              m_s, m_t, o_i, m_i, m_is, i_blk, T, HV, K, BT, BC, DOT_PREC, FAST_EXP,
-                                              EARLY_LOADS)
-        store_dq_dk(dq, dk, dq_out, dk_out, out_scale, row_is, m_is, b_dq, b_dk, DIRECT_OUT)
-        tl.store(dgam + row_is, b_dgam, mask=m_is)
-
-
-@triton.jit
-def _row_block_grads(gam, daqk, dakk, dq, dk, dgam, b_q, b_k, b_qi, b_ki, row_is, o_r, o_s, m_s, m_t, o_i, m_i, m_is,
-                     i_blk, T, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DOT_PREC: tl.constexpr,
-                     FAST_EXP: tl.constexpr, EARLY_LOADS: tl.constexpr):
-    """One value head's dq, dk and d(gam) of the block's rows and the K slice: the fp32 per
-    value head ones read at ``dq``, ``dk``, ``dgam`` plus the terms through the A's."""
-    b_g = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
     b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
     b_gm = tl.load(gam + gam_row(i_blk * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
-
-    from_blk = (o_r >= i_blk * BC)[:, None]
-    p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
-    m_cols = m_t[:, None] & from_blk
-    if EARLY_LOADS:
-        b_dqk_j, b_dkk_j = _block_columns(daqk, dakk, p_cols, m_cols)
-        b_dq0, b_dk0, b_dgam0 = _block_rows_so_far(dq, dk, dgam, row_is, m_is)
 
     # the block's rows: columns up to its end (past it dA is zero, the factor dropped)
     p_rows = (o_i[:, None]) * (HV * BT) + o_r[None, :]
@@ -156,33 +104,21 @@ def _row_block_grads(gam, daqk, dakk, dq, dk, dgam, b_q, b_k, b_qi, b_ki, row_is
 
     # the block's columns: rows from its start (before it dA is zero, and the factor,
     # which could overflow there, is dropped)
+    from_blk = (o_r >= i_blk * BC)[:, None]
     b_er = exp(tl.where(from_blk, b_g - b_gm[None, :], float("-inf")), FAST_EXP)
-    if not EARLY_LOADS:
-        b_dqk_j, b_dkk_j = _block_columns(daqk, dakk, p_cols, m_cols)
+    p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
+    m_cols = m_t[:, None] & from_blk
+    b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
+    b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
     b_tkj = exp(b_gm[None, :] - b_gi, FAST_EXP) * (tl.dot(tl.trans(b_dqk_j), b_q * b_er, input_precision=DOT_PREC)
                                                   + tl.dot(tl.trans(b_dkk_j), b_k * b_er, input_precision=DOT_PREC))
 
-    if not EARLY_LOADS:
-        b_dq0, b_dk0, b_dgam0 = _block_rows_so_far(dq, dk, dgam, row_is, m_is)
-    b_dq = b_dq0 + b_tq
-    b_dk = b_dk0 + b_tk + b_tkj
-    b_dgam = b_dgam0 + b_qi * b_tq + b_ki * (b_tk - b_tkj)
-    return b_dq, b_dk, b_dgam
-
-
-@triton.jit
-def _block_columns(daqk, dakk, p_cols, m_cols):
-    """The block's columns of dA_qk and dA_kk."""
-    return tl.load(daqk + p_cols, mask=m_cols, other=0.0), tl.load(dakk + p_cols, mask=m_cols, other=0.0)
-
-
-@triton.jit
-def _block_rows_so_far(dq, dk, dgam, row_is, m_is):
-    """The block's rows of the fp32 per value head dq, dk, d(gam) (the earlier stages')."""
-    b_dq = tl.load(dq + row_is, mask=m_is, other=0.0)
-    b_dk = tl.load(dk + row_is, mask=m_is, other=0.0)
-    b_dgam = tl.load(dgam + row_is, mask=m_is, other=0.0)
-    return b_dq, b_dk, b_dgam
+    row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
+    b_dq = tl.load(dq + row_is, mask=m_is, other=0.0) + b_tq
+    b_dk = tl.load(dk + row_is, mask=m_is, other=0.0) + b_tk + b_tkj
+    b_dgam = tl.load(dgam + row_is, mask=m_is, other=0.0) + b_qi * b_tq + b_ki * (b_tk - b_tkj)
+    store_dq_dk(dq, dk, dq_out, dk_out, out_scale, row_is, m_is, b_dq, b_dk, DIRECT_OUT)
+    tl.store(dgam + row_is, b_dgam, mask=m_is)
 
 
 @triton.jit

@@ -56,9 +56,11 @@ INTRA_BWD_W_STAGES = 2
 INTRA_BWD_W_BV = None
 # intra_bwd_w's q, k and gam slices loaded before its V loop (1: in flight while it runs)
 # instead of after it (0), bf16 / fp16 inputs. sm_90a, Triton 3.6, bf16: 223 registers
-# against 236, no spill either way (fp32 inputs keep 0: 1.4 KB of spills). Built 2026-12-07
-# (forty-third session), not timed yet.
-INTRA_BWD_W_EARLY_QKG = 0
+# against 236, no spill either way (fp32 inputs keep 0: 1.4 KB of spills). H100 (2026-12-07,
+# forty-fourth session, ours alone, two rounds, kernels by GPU time): kda_intra_bwd_w 1.765 ->
+# 1.633 ms at B2-T8192-H8-HV32 layer-style (step 7.341 -> 7.219), 3.486 -> 3.255 at
+# B8-T8192-H16 (12.147 -> 11.929).
+INTRA_BWD_W_EARLY_QKG = 1
 INTRA_BWD_WARPS = 8  # 4 -> 8 on 2026-12-03 (see INTRA_BWD_BF16_DAQK)
 # intra_bwd's register cap (None: the compiler's choice) and the pipeline stages of its V
 # loop. Uncapped at three stages it took 233 registers and 128 KB of shared memory at eight
@@ -314,22 +316,15 @@ INTRA_BWD_A_ROW_PROGRAMS = 1
 # -> 7.574 ms (fla 9.028: 0.86x -> 0.84x); ours alone, the packed rows' steps 2.355 -> 2.291 ms
 # (varlen-mixed-T8192) and 16.695 -> 16.103 (varlen-2048x1-64); their GPU tests passed under it.
 # Slower: K slices of 16 (BKD_A; the step 9.76 ms), one program walking a chunk's row blocks
-# (2.080 ms; removed).
+# (2.080 ms; removed). Timed 2026-12-07 (forty-fourth session, H100, B2-T8192-H8-HV32
+# layer-style, ours alone, 1.865 ms here) and removed (the code is at 80e41d4): the block's dA
+# columns and dq / dk / d(gam) rows loaded at the start (EARLY_LOADS: 2.896 ms, 280 B spilled);
+# one program per key head summing its G value heads' dq, dk so that gva_reduce does not run
+# (GVA: 2.568 ms at this cap, 2.070 at 168 with gva_reduce's 0.20 ms saved: the step 7.357
+# against 7.341 ms, the peak the same).
 INTRA_BWD_A_ROWS_WARPS = 4
 INTRA_BWD_A_ROWS_MAXNREG = 128
 INTRA_BWD_A_ROWS_FAST_EXP = 1
-# The row programs' loads of the block's dA columns and of its rows of dq, dk, d(gam) issued
-# at the start with the chunk's slice (1) instead of where they are used (0): one wait on
-# memory instead of three in turn. Built 2026-12-07 (forty-third session), not timed yet.
-INTRA_BWD_A_ROWS_EARLY_LOADS = 0
-# G = HV / H > 1: one row program per key head walking its G value heads (1), which sums
-# their dq and dk in registers in gva_reduce's order and writes the op's dq and dk itself,
-# instead of one per value head writing the fp32 per value head dq, dk back for gva_reduce
-# (0). At B2-T8192-H8-HV32 that is 0.54 GB written and read again, and a launch, less; q
-# and k are loaded once for the four value heads; a quarter of the programs, each four
-# heads long. The same bits under the interpreter. Built 2026-12-07 (forty-third session),
-# not timed yet.
-INTRA_BWD_A_ROWS_GVA = 0
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
 # K slices and warps per program. H200 (2026-12-03, B2-T8192-H8-HV32 layer-style, ours
 # alone): 0.306 ms at 32 / four warps, 0.223 at 32 / two (forward+backward 8.549 ->
