@@ -239,9 +239,10 @@ def kda_bwd_triton(
         flags = dict(GATE=ga["GATE"], HAS_A=ga["HAS_A"], HAS_BIAS=ga["HAS_BIAS"], IS_VARLEN=s["IS_VARLEN"])
         if _row_programs_serve(ga):
             # one program per row block (settings.INTRA_BWD_A_ROW_PROGRAMS), then dg
-            kda_intra_bwd_a_rows_kernel[(_cdiv(K, S.BKD_A) * (BT // BC), NC, B * HV)](
+            bkd_rows = S.INTRA_BWD_A_ROWS_BKD or S.BKD_A
+            kda_intra_bwd_a_rows_kernel[(_cdiv(K, bkd_rows) * (BT // BC), NC, B * HV)](
                 q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *out, *s["VL_CHUNK"], scale, T, NC,
-                H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=S.BKD_A, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
+                H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=bkd_rows, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
                 FAST_EXP=_fast_exp() and bool(S.INTRA_BWD_A_ROWS_FAST_EXP), DIRECT_OUT=direct,
                 num_warps=S.INTRA_BWD_A_ROWS_WARPS,
                 **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),

@@ -323,6 +323,11 @@ INTRA_BWD_A_ROW_PROGRAMS = 1
 # (GVA: 2.568 ms at this cap, 2.070 at 168 with gva_reduce's 0.20 ms saved: the step 7.357
 # against 7.341 ms, the peak the same).
 INTRA_BWD_A_ROWS_WARPS = 4
+# The row programs' K slice (None: BKD_A). sm_90a, Triton 3.6, bf16, fla's bounded gate: 64
+# at eight warps takes 174 registers uncapped (no spill, one CTA an SM), 128 capped (64 B
+# spilled, two CTAs an SM, the occupancy of 32 at four warps) with half the programs, each
+# loading the block's dA rows and columns once for 64 columns of K instead of 32.
+INTRA_BWD_A_ROWS_BKD = None
 INTRA_BWD_A_ROWS_MAXNREG = 128
 INTRA_BWD_A_ROWS_FAST_EXP = 1
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
