@@ -326,7 +326,9 @@ INTRA_BWD_A_ROWS_WARPS = 4
 # The row programs' K slice (None: BKD_A). sm_90a, Triton 3.6, bf16, fla's bounded gate: 64
 # at eight warps takes 174 registers uncapped (no spill, one CTA an SM), 128 capped (64 B
 # spilled, two CTAs an SM, the occupancy of 32 at four warps) with half the programs, each
-# loading the block's dA rows and columns once for 64 columns of K instead of 32.
+# loading the block's dA rows and columns once for 64 columns of K instead of 32. H100
+# (2026-12-07, forty-fourth session, ours alone, B2-T8192-H8-HV32 layer-style, two rounds):
+# kda_intra_bwd_a_rows 1.867 -> 1.889 ms capped, 2.891 uncapped: not on.
 INTRA_BWD_A_ROWS_BKD = None
 INTRA_BWD_A_ROWS_MAXNREG = 128
 INTRA_BWD_A_ROWS_FAST_EXP = 1
