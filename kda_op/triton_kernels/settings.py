@@ -332,6 +332,13 @@ INTRA_BWD_A_ROWS_WARPS = 4
 INTRA_BWD_A_ROWS_BKD = None
 INTRA_BWD_A_ROWS_MAXNREG = 128
 INTRA_BWD_A_ROWS_FAST_EXP = 1
+# The row programs' dots stay TF32 on bf16 inputs. ncu (H100, 2026-12-07, B2-T8192-H8-HV32
+# layer-style) finds the kernel bound by L1 / shared memory (L1/TEX throughput 77%, DRAM 37%;
+# sm_90a: 133 LDS, 45 STS a thread, most of them the TF32 operands' way into the dots, and
+# 112 B of spills); bf16 operands would halve that (85 LDS + 6 LDSM, 39 STS, 96 B spilled) but
+# d(gam) sums terms that cancel (Q T_q + K (T_k - T_kj)): under the interpreter, fla's bounded
+# gate, bf16 inputs, against the fp64 reference, dg's error 2.1e-3 -> 4.3e-2 and dA_log's,
+# ddt_bias's 2.6e-3 -> 0.20 (dq, dk 3.6e-3 -> 4.3e-3). Built and removed the forty-fourth session.
 # ... and its second launch (dg's reverse sum over each chunk, the gate's backward):
 # K slices and warps per program. H200 (2026-12-03, B2-T8192-H8-HV32 layer-style, ours
 # alone): 0.306 ms at 32 / four warps, 0.223 at 32 / two (forward+backward 8.549 ->
