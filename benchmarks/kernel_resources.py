@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dq=f32, dk=f32, dgam=f32, **dq_dk_out, scale="fp32",
               **ints),
          dict(**varlen, K=K, BT=BT, BC=BC, BKD=S.INTRA_BWD_A_ROWS_BKD or S.BKD_A, DOT_PREC=prec,
-              DIRECT_OUT=bool(S.DIRECT_DQ_DK),
+              DIRECT_OUT=bool(S.DIRECT_DQ_DK), SUB_BLOCKS=bool(S.INTRA_BWD_A_ROWS_SUB_BLOCKS),
               FAST_EXP=bool(S.FAST_EXP) and bool(S.INTRA_BWD_A_ROWS_FAST_EXP)),
          S.INTRA_BWD_A_ROWS_WARPS, 3),
         (intra_bwd_a_rows.kda_dg_of_chunk_kernel,

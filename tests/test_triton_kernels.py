@@ -2090,6 +2090,51 @@ def test_intra_bwd_w_loading_q_k_gam_early_gives_the_same_grads(monkeypatch):
     assert seen == [False, True, False, False], seen
 
 
+@pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training"])
+def test_row_block_backward_by_sub_blocks_matches(case, monkeypatch):
+    """settings.INTRA_BWD_A_ROWS_SUB_BLOCKS: the row programs' sums over the chunk's rows
+    walked BC rows at a time over the row blocks where dA can be nonzero. Every grad within
+    fp32 rounding of the one-dot form (the sums' order changes) and of the fp64 reference;
+    the launch takes the setting; under the interpreter no access leaves its tensor.
+    Lengths about each block edge (1, 16, 17, 64, 65, 3, 130 rows: chunks of one row to a
+    full chunk and one more)."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import bwd, settings
+
+    cpu, gate, cu, h0 = _row_block_problem(case, [1, 16, 17, 64, 65, 3, 130], seed=49, h0_seed=9)
+    want_fwd = _reference_fwd(*cpu, None, h0, gate, cu)
+    gen = torch.Generator().manual_seed(50)
+    do = torch.randn(want_fwd[0].shape, generator=gen)
+    dht = torch.randn(want_fwd[1].shape, generator=gen) if h0 is not None else None
+    want = _reference_bwd(*cpu, None, h0, want_fwd[2], do, dht, gate, cu)
+    args = [x.to(DEVICE) for x in cpu]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d, do_d, dht_d = (None if x is None else x.to(DEVICE) for x in (cu, h0, do, dht))
+    _, _, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
+                                    output_final_state=h0 is not None)
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda kw: seen.append(kw["SUB_BLOCKS"]))
+    results = []
+    for sub in (0, 1):
+        monkeypatch.setattr(settings, "INTRA_BWD_A_ROWS_SUB_BLOCKS", sub)
+        checker = None
+        if sub and DEVICE == "cpu":
+            checker = _bounds_checker(monkeypatch, args + [do_d, dht_d, h0_d, cu_d, cs, kept]
+                                      + [x for x in gate_d if isinstance(x, torch.Tensor)])
+        results.append(kda_bwd_triton(*args, None, h0_d, cs, do_d, dht_d, kept, gate=gate_d, cu_seqlens=cu_d))
+        if checker is not None:
+            assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
+    assert seen == [False, True], seen
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    for name, a, b, ref in zip(names, *results, want):
+        if not ref.numel():
+            continue
+        assert a.abs().max() > 0.01, name
+        # fp32: the sums over the chunk's rows taken in another order
+        torch.testing.assert_close(b.cpu(), a.cpu(), **FP32_TOL, msg=lambda m: f"{name}: {m}")
+        _rel_close(b, ref, name)
+
+
 def _variant_matches(views, results, want, kept_names, rtol, atol):
     """A forward under a setting against the same forward without it: the kept
     intermediates ``kept_names`` (``views``: baseline, variant; not all small) and o, the

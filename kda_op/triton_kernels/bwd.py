@@ -244,6 +244,7 @@ def kda_bwd_triton(
                 q, k, gam, dakk, daqk, dq_e, dk_e, dgam, *out, *s["VL_CHUNK"], scale, T, NC,
                 H=H, HV=HV, K=K, BT=BT, BC=BC, BKD=bkd_rows, DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"],
                 FAST_EXP=_fast_exp() and bool(S.INTRA_BWD_A_ROWS_FAST_EXP), DIRECT_OUT=direct,
+                SUB_BLOCKS=bool(S.INTRA_BWD_A_ROWS_SUB_BLOCKS),
                 num_warps=S.INTRA_BWD_A_ROWS_WARPS,
                 **(dict(maxnreg=S.INTRA_BWD_A_ROWS_MAXNREG) if S.INTRA_BWD_A_ROWS_MAXNREG else {}),
             )

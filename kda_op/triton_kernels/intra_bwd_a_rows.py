@@ -47,8 +47,14 @@ def kda_intra_bwd_a_rows_kernel(
     K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
     DOT_PREC: tl.constexpr, IS_VARLEN: tl.constexpr = False, FAST_EXP: tl.constexpr = False,
     DIRECT_OUT: tl.constexpr = False,  # intra_bwd_a.store_dq_dk
+    SUB_BLOCKS: tl.constexpr = False,
 ):
     # FAST_EXP: _math.exp without subnormals.
+    # SUB_BLOCKS (settings.INTRA_BWD_A_ROWS_SUB_BLOCKS): the sums over the chunk's rows
+    # walked BC rows at a time, only where they can be nonzero (the block's rows: the row
+    # blocks up to its own; its columns: from its own to the chunk's last), instead of one
+    # dot over all BT rows with the rest masked to zero: five BC-row blocks of Q, K, gam and
+    # their exps a program instead of eight, on [BC, BKD] tiles.
     # The K slice varies fastest, then the row block (both on the grid's first axis, so
     # the chunks keep the second, limited to 65535 as elsewhere): the programs of one
     # chunk run side by side and share their loads of Q, K, gam and dA through L2.
@@ -84,34 +90,39 @@ def kda_intra_bwd_a_rows_kernel(
     m_i = o_i < T
     m_is = m_i[:, None] & m_s[None, :]
 
-    # the chunk's slice and the block's rows of it
-    b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-    b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-    b_g = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    if not SUB_BLOCKS:  # the chunk's slice
+        b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
+        b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
+        b_g = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    # the block's rows of it
     b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
     b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
     b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
     b_gm = tl.load(gam + gam_row(i_blk * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
+    if SUB_BLOCKS:
+        b_tq, b_tk, b_tkj = _row_block_terms_by_sub_blocks(
+            q, k, gam, daqk, dakk, b_gm, b_gi, o_s, m_s, o_i, m_i, i_blk, T, scale,
+            H, HV, K, BT, BC, BKD, DOT_PREC, FAST_EXP)
+    else:
+        # the block's rows: columns up to its end (past it dA is zero, the factor dropped)
+        p_rows = (o_i[:, None]) * (HV * BT) + o_r[None, :]
+        b_dqk_i = tl.load(daqk + p_rows, mask=m_i[:, None], other=0.0)
+        b_dkk_i = tl.load(dakk + p_rows, mask=m_i[:, None], other=0.0)
+        b_kc = b_k * exp(tl.where((o_r < (i_blk + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")), FAST_EXP)
+        b_eri = exp(b_gi - b_gm[None, :], FAST_EXP)
+        b_tq = b_eri * tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
+        b_tk = b_eri * tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
 
-    # the block's rows: columns up to its end (past it dA is zero, the factor dropped)
-    p_rows = (o_i[:, None]) * (HV * BT) + o_r[None, :]
-    b_dqk_i = tl.load(daqk + p_rows, mask=m_i[:, None], other=0.0)
-    b_dkk_i = tl.load(dakk + p_rows, mask=m_i[:, None], other=0.0)
-    b_kc = b_k * exp(tl.where((o_r < (i_blk + 1) * BC)[:, None], b_gm[None, :] - b_g, float("-inf")), FAST_EXP)
-    b_eri = exp(b_gi - b_gm[None, :], FAST_EXP)
-    b_tq = b_eri * tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
-    b_tk = b_eri * tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
-
-    # the block's columns: rows from its start (before it dA is zero, and the factor,
-    # which could overflow there, is dropped)
-    from_blk = (o_r >= i_blk * BC)[:, None]
-    b_er = exp(tl.where(from_blk, b_g - b_gm[None, :], float("-inf")), FAST_EXP)
-    p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
-    m_cols = m_t[:, None] & from_blk
-    b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
-    b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
-    b_tkj = exp(b_gm[None, :] - b_gi, FAST_EXP) * (tl.dot(tl.trans(b_dqk_j), b_q * b_er, input_precision=DOT_PREC)
-                                                  + tl.dot(tl.trans(b_dkk_j), b_k * b_er, input_precision=DOT_PREC))
+        # the block's columns: rows from its start (before it dA is zero, and the factor,
+        # which could overflow there, is dropped)
+        from_blk = (o_r >= i_blk * BC)[:, None]
+        b_er = exp(tl.where(from_blk, b_g - b_gm[None, :], float("-inf")), FAST_EXP)
+        p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
+        m_cols = m_t[:, None] & from_blk
+        b_dqk_j = tl.load(daqk + p_cols, mask=m_cols, other=0.0)
+        b_dkk_j = tl.load(dakk + p_cols, mask=m_cols, other=0.0)
+        b_tkj = exp(b_gm[None, :] - b_gi, FAST_EXP) * (tl.dot(tl.trans(b_dqk_j), b_q * b_er, input_precision=DOT_PREC)
+                                                      + tl.dot(tl.trans(b_dkk_j), b_k * b_er, input_precision=DOT_PREC))
 
     row_is = (o_i[:, None]) * (HV * K) + o_s[None, :]
     b_dq = tl.load(dq + row_is, mask=m_is, other=0.0) + b_tq
@@ -119,6 +130,50 @@ def kda_intra_bwd_a_rows_kernel(
     b_dgam = tl.load(dgam + row_is, mask=m_is, other=0.0) + b_qi * b_tq + b_ki * (b_tk - b_tkj)
     store_dq_dk(dq, dk, dq_out, dk_out, out_scale, row_is, m_is, b_dq, b_dk, DIRECT_OUT)
     tl.store(dgam + row_is, b_dgam, mask=m_is)
+
+
+@triton.jit
+def _row_block_terms_by_sub_blocks(q, k, gam, daqk, dakk, b_gm, b_gi, o_s, m_s, o_i, m_i, i_blk, T, scale,
+                                   H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
+                                   DOT_PREC: tl.constexpr, FAST_EXP: tl.constexpr):
+    """T_q, T_k and T_kj of the block's rows (SUB_BLOCKS): the sums over the chunk's rows
+    BC rows at a time, only over the row blocks where dA can be nonzero."""
+    b_tq = tl.zeros([BC, BKD], dtype=tl.float32)
+    b_tk = tl.zeros([BC, BKD], dtype=tl.float32)
+    # the block's rows: columns in the row blocks up to its own (exp(gam_m - gam_j) <= 1
+    # before the block, within the bound in it)
+    for jb in range(0, i_blk + 1):
+        o_j = jb * BC + tl.arange(0, BC)
+        m_js = (o_j < T)[:, None] & m_s[None, :]
+        b_kj = tl.load(k + (o_j[:, None]) * (H * K) + o_s[None, :], mask=m_js, other=0.0).to(tl.float32)
+        b_gj = tl.load(gam + (gam_row(o_j, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        b_kc = b_kj * exp(b_gm[None, :] - b_gj, FAST_EXP)
+        p_rows = (o_i[:, None]) * (HV * BT) + o_j[None, :]
+        b_dqk_i = tl.load(daqk + p_rows, mask=m_i[:, None], other=0.0)
+        b_dkk_i = tl.load(dakk + p_rows, mask=m_i[:, None], other=0.0)
+        b_tq += tl.dot(b_dqk_i, b_kc, input_precision=DOT_PREC)
+        b_tk += tl.dot(b_dkk_i, b_kc, input_precision=DOT_PREC)
+    b_eri = exp(b_gi - b_gm[None, :], FAST_EXP)
+    b_tq = b_eri * b_tq
+    b_tk = b_eri * b_tk
+    # the block's columns: rows in the row blocks from its own to the chunk's last
+    # (exp(gam_r - gam_m) within the bound before m, <= 1 after it)
+    b_c = tl.zeros([BC, BKD], dtype=tl.float32)
+    for rb in range(i_blk, tl.cdiv(tl.minimum(T, BT), BC)):
+        o_r = rb * BC + tl.arange(0, BC)
+        m_r = o_r < T
+        m_rs = m_r[:, None] & m_s[None, :]
+        b_qr = tl.load(q + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_rs, other=0.0).to(tl.float32) * scale
+        b_kr = tl.load(k + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_rs, other=0.0).to(tl.float32)
+        b_gr = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        b_er = exp(b_gr - b_gm[None, :], FAST_EXP)
+        p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
+        b_dqk_j = tl.load(daqk + p_cols, mask=m_r[:, None], other=0.0)
+        b_dkk_j = tl.load(dakk + p_cols, mask=m_r[:, None], other=0.0)
+        b_c += tl.dot(tl.trans(b_dqk_j), b_qr * b_er, input_precision=DOT_PREC)
+        b_c += tl.dot(tl.trans(b_dkk_j), b_kr * b_er, input_precision=DOT_PREC)
+    b_tkj = exp(b_gm[None, :] - b_gi, FAST_EXP) * b_c
+    return b_tq, b_tk, b_tkj
 
 
 @triton.jit

@@ -332,6 +332,16 @@ INTRA_BWD_A_ROWS_WARPS = 4
 INTRA_BWD_A_ROWS_BKD = None
 INTRA_BWD_A_ROWS_MAXNREG = 128
 INTRA_BWD_A_ROWS_FAST_EXP = 1
+# The row programs' sums over the chunk's rows walked BC rows at a time, only over the row
+# blocks where dA can be nonzero (1: the block's rows over the blocks up to its own, its
+# columns over those from its own on; five [BC, BKD] tiles of Q, K, gam and their exps a
+# program, from L1 in turn), instead of one dot each over all BT rows with the rest masked
+# (0: eight). Aimed at what ncu found the kernel bound by (below). sm_90a, Triton 3.6, bf16,
+# fla's bounded gate: 124 registers and no spill uncapped under the cap of 128 (112 B now), 920
+# SASS instructions against 1,176 (LDS 74 + LDSM 2 against 133, STS 21 against 45, HMMA 8 a
+# loop pass); no spill at a cap of 96 (five CTAs an SM), 12 B at 80 (six). Built 2026-12-07
+# (forty-fourth session), not timed yet.
+INTRA_BWD_A_ROWS_SUB_BLOCKS = 0
 # The row programs' dots stay TF32 on bf16 inputs. ncu (H100, 2026-12-07, B2-T8192-H8-HV32
 # layer-style) finds the kernel bound by L1 / shared memory (L1/TEX throughput 77%, DRAM 37%;
 # sm_90a: 133 LDS, 45 STS a thread, most of them the TF32 operands' way into the dots, and
