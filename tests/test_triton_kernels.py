@@ -2009,6 +2009,23 @@ def _row_block_problem(case, lengths, seed, h0_seed):
     return [q, k, v, g, beta], gate, cu, h0
 
 
+def _row_block_case(case, lengths, seed, h0_seed, do_seed):
+    """A row-block problem (_row_block_problem) on DEVICE with a do / dht to take back and
+    the fp64 reference's grads: ``(args, gate, cu_seqlens, h0, do, dht, want)``."""
+    from kda_op.ops import _reference_bwd, _reference_fwd
+
+    cpu, gate, cu, h0 = _row_block_problem(case, lengths, seed=seed, h0_seed=h0_seed)
+    want_fwd = _reference_fwd(*cpu, None, h0, gate, cu)
+    gen = torch.Generator().manual_seed(do_seed)
+    do = torch.randn(want_fwd[0].shape, generator=gen)
+    dht = torch.randn(want_fwd[1].shape, generator=gen) if h0 is not None else None
+    want = _reference_bwd(*cpu, None, h0, want_fwd[2], do, dht, gate, cu)
+    args = [x.to(DEVICE) for x in cpu]
+    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d, h0_d, do_d, dht_d = (None if x is None else x.to(DEVICE) for x in (cu, h0, do, dht))
+    return args, gate_d, cu_d, h0_d, do_d, dht_d, want
+
+
 @pytest.mark.parametrize("case", ["batch", "packed-with-states", "packed-training"])
 def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, monkeypatch):
     """settings.INTRA_BWD_A_ROW_PROGRAMS (fla's bounded gate at lower_bound -5: one
@@ -2019,18 +2036,10 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
     access leaves its tensor. Cases: equal-length sequences with an initial state and
     dht (a partial last chunk); packed sequences (empty ones, one row, a block and one
     more, a chunk and one more, a long one) with and without them."""
-    from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import bwd, settings
 
-    cpu, gate, cu, h0 = _row_block_problem(case, [0, 1, 16, 17, 64, 65, 3, 200, 0, 130], seed=41, h0_seed=3)
-    want_fwd = _reference_fwd(*cpu, None, h0, gate, cu)
-    gen = torch.Generator().manual_seed(7)
-    do = torch.randn(want_fwd[0].shape, generator=gen)
-    dht = torch.randn(want_fwd[1].shape, generator=gen) if h0 is not None else None
-    want = _reference_bwd(*cpu, None, h0, want_fwd[2], do, dht, gate, cu)
-    args = [x.to(DEVICE) for x in cpu]
-    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
-    cu_d, h0_d, do_d, dht_d = (None if x is None else x.to(DEVICE) for x in (cu, h0, do, dht))
+    args, gate_d, cu_d, h0_d, do_d, dht_d, want = _row_block_case(
+        case, [0, 1, 16, 17, 64, 65, 3, 200, 0, 130], seed=41, h0_seed=3, do_seed=7)
     launched = []
     _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_kernel", lambda kw: launched.append("per chunk"))
     _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda kw: launched.append("per row block"))
@@ -2042,13 +2051,13 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
             checker = _bounds_checker(monkeypatch, args + [do_d, dht_d, h0_d, cu_d]
                                       + [x for x in gate_d if isinstance(x, torch.Tensor)])
         _, _, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
-                                        output_final_state=h0 is not None)
+                                        output_final_state=h0_d is not None)
         results.append(kda_bwd_triton(*args, None, h0_d, cs, do_d, dht_d, kept, gate=gate_d, cu_seqlens=cu_d))
         if checker is not None:
             assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
     # the per-chunk path: one launch for packed sequences, one per kind of chunk for
     # fixed-length ones (settings.INTRA_BWD_A_ONE_LAUNCH = 2)
-    assert launched == ["per chunk"] * (1 if bwd._one_launch_serves(cu is not None) else 2) + ["per row block"]
+    assert launched == ["per chunk"] * (1 if bwd._one_launch_serves(cu_d is not None) else 2) + ["per row block"]
     names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
     for name, a, b, ref in zip(names, *results, want):
         # fp32: the column terms' other references change the rounding only
@@ -2098,20 +2107,12 @@ def test_row_block_backward_by_sub_blocks_matches(case, monkeypatch):
     the launch takes the setting; under the interpreter no access leaves its tensor.
     Lengths about each block edge (1, 16, 17, 64, 65, 3, 130 rows: chunks of one row to a
     full chunk and one more)."""
-    from kda_op.ops import _reference_bwd, _reference_fwd
     from kda_op.triton_kernels import bwd, settings
 
-    cpu, gate, cu, h0 = _row_block_problem(case, [1, 16, 17, 64, 65, 3, 130], seed=49, h0_seed=9)
-    want_fwd = _reference_fwd(*cpu, None, h0, gate, cu)
-    gen = torch.Generator().manual_seed(50)
-    do = torch.randn(want_fwd[0].shape, generator=gen)
-    dht = torch.randn(want_fwd[1].shape, generator=gen) if h0 is not None else None
-    want = _reference_bwd(*cpu, None, h0, want_fwd[2], do, dht, gate, cu)
-    args = [x.to(DEVICE) for x in cpu]
-    gate_d = tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
-    cu_d, h0_d, do_d, dht_d = (None if x is None else x.to(DEVICE) for x in (cu, h0, do, dht))
+    args, gate_d, cu_d, h0_d, do_d, dht_d, want = _row_block_case(
+        case, [1, 16, 17, 64, 65, 3, 130], seed=49, h0_seed=9, do_seed=50)
     _, _, cs, kept = kda_fwd_triton(*args, None, h0_d, True, gate=gate_d, cu_seqlens=cu_d,
-                                    output_final_state=h0 is not None)
+                                    output_final_state=h0_d is not None)
     seen = []
     _on_launch(monkeypatch, bwd, "kda_intra_bwd_a_rows_kernel", lambda kw: seen.append(kw["SUB_BLOCKS"]))
     results = []
