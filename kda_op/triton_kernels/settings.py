@@ -322,7 +322,15 @@ INTRA_BWD_A_ROW_PROGRAMS = 1
 # one program per key head summing its G value heads' dq, dk so that gva_reduce does not run
 # (GVA: 2.568 ms at this cap, 2.070 at 168 with gva_reduce's 0.20 ms saved: the step 7.357
 # against 7.341 ms, the peak the same).
-INTRA_BWD_A_ROWS_WARPS = 4
+# Two warps (with SUB_BLOCKS below, at the cap of 96): its [BC, BKD] tiles are small. H100
+# (2026-12-07, forty-fifth session, ours alone, two rounds, kernels by GPU time,
+# B2-T8192-H8-HV32 layer-style), kda_intra_bwd_a_rows with SUB_BLOCKS: 1.916 ms at four warps
+# (cap 128), 1.687 (cap 96), 1.600 (cap 80); at two warps 1.404 (cap 128, no spill), 1.406
+# (cap 96, 76 B spilled), 1.520 (cap 80), 1.583 (cap 168); at one warp 1.461. The packed rows
+# at two warps: varlen-2048x1-64 3.621 (cap 128) / 3.465 (cap 96), varlen-mixed-T8192 0.372 /
+# 0.369 (1.883, 5.062, 0.492 ms before, the one-dot form at four warps, cap 128). The one-dot
+# form (SUB_BLOCKS = 0) was timed at four warps and a cap of 128.
+INTRA_BWD_A_ROWS_WARPS = 2
 # The row programs' K slice (None: BKD_A). sm_90a, Triton 3.6, bf16, fla's bounded gate: 64
 # at eight warps takes 174 registers uncapped (no spill, one CTA an SM), 128 capped (64 B
 # spilled, two CTAs an SM, the occupancy of 32 at four warps) with half the programs, each
@@ -330,7 +338,7 @@ INTRA_BWD_A_ROWS_WARPS = 4
 # (2026-12-07, forty-fourth session, ours alone, B2-T8192-H8-HV32 layer-style, two rounds):
 # kda_intra_bwd_a_rows 1.867 -> 1.889 ms capped, 2.891 uncapped: not on.
 INTRA_BWD_A_ROWS_BKD = None
-INTRA_BWD_A_ROWS_MAXNREG = 128
+INTRA_BWD_A_ROWS_MAXNREG = 96
 INTRA_BWD_A_ROWS_FAST_EXP = 1
 # The row programs' sums over the chunk's rows walked BC rows at a time, only over the row
 # blocks where dA can be nonzero (1: the block's rows over the blocks up to its own, its
@@ -340,8 +348,11 @@ INTRA_BWD_A_ROWS_FAST_EXP = 1
 # fla's bounded gate: 124 registers and no spill uncapped under the cap of 128 (112 B now), 920
 # SASS instructions against 1,176 (LDS 74 + LDSM 2 against 133, STS 21 against 45, HMMA 8 a
 # loop pass); no spill at a cap of 96 (five CTAs an SM), 12 B at 80 (six). Built 2026-12-07
-# (forty-fourth session), not timed yet.
-INTRA_BWD_A_ROWS_SUB_BLOCKS = 0
+# (forty-fourth session); on since the forty-fifth (H100, ours alone, two rounds, kernels by
+# GPU time, B2-T8192-H8-HV32 layer-style): kda_intra_bwd_a_rows 1.883 -> 1.404 ms at two warps
+# (see INTRA_BWD_A_ROWS_WARPS), the step 7.217 -> 6.760 ms; varlen-2048x1-64 step 15.519 ->
+# 14.024 (cap 96), varlen-mixed-T8192 3.315 -> 3.113 (host-bound rounds).
+INTRA_BWD_A_ROWS_SUB_BLOCKS = 1
 # The row programs' dots stay TF32 on bf16 inputs. ncu (H100, 2026-12-07, B2-T8192-H8-HV32
 # layer-style) finds the kernel bound by L1 / shared memory (L1/TEX throughput 77%, DRAM 37%;
 # sm_90a: 133 LDS, 45 STS a thread, most of them the TF32 operands' way into the dots, and
