@@ -41,8 +41,20 @@ def _inputs(B, T, H, G, K, V, with_h0, seed):
     return {n: (x.to(DEVICE) if x is not None else None) for n, x in inputs.items()}
 
 
+# The gate parameters' grads sum every token's terms (B, T and, for A_log, K): an element's
+# fp32 rounding scales with the terms it sums, not with its own size, which may be small
+# beside them. Their absolute tolerance scales with the tensor's largest element. Seen
+# 2026-12-07 (the direct-dq/dk test's packed gated case): on an H100 ddt_bias was off the fp32
+# reference by 4.1e-5 at an element of 0.079 (the tensor's largest 6.4), and under the
+# interpreter its largest error against the fp64 reference was 4.1e-5 as well.
+PARAM_GRADS = ("dA_log", "ddt_bias")
+
+
 def _rel_close(got, want, name):
-    torch.testing.assert_close(got.cpu(), want.cpu(), **FP32_TOL, msg=lambda m: f"{name}: {m}")
+    tol = dict(FP32_TOL)
+    if name in PARAM_GRADS:
+        tol["atol"] = FP32_TOL["atol"] * max(1.0, want.abs().max().item())
+    torch.testing.assert_close(got.cpu(), want.cpu(), **tol, msg=lambda m: f"{name}: {m}")
 
 
 def _on_launch(monkeypatch, module, name, record):
@@ -944,8 +956,9 @@ def test_triton_direct_dq_dk_gives_what_gva_reduce_gives(gated, packed, dtype, m
         reduced.clear()
         grads.append(kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d))
         assert reduced == ([] if direct else [1]), (direct, reduced)
-    for i, (a, b) in enumerate(zip(*grads)):
-        assert a.dtype == b.dtype and torch.equal(a, b), i
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
+    for name, a, b in zip(names, *grads):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
     assert grads[1][0].dtype == dtype and grads[1][1].dtype == dtype
     assert bool(by_rows) == gated, by_rows  # the row-block kernel took fla's bounded gate
     if dtype == torch.float32:
