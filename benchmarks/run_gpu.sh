@@ -20,6 +20,8 @@
 #                                      # tests under KDA_TEST_SETTINGS
 #   bash benchmarks/run_gpu.sh xdist-tests    # test_cuda.py, test_triton_kernels.py, test_export_op.py,
 #                                      # test_pool.py with pytest-xdist (FILES, WORKERS), -v
+#   bash benchmarks/run_gpu.sh fla-comparisons  # the tests that run fla's own code (-k matches_fla),
+#                                      # alone, FLA_TEST_LIMIT (480) for fla's first-use tuning
 #   bash benchmarks/run_gpu.sh scan-diffs     # profiling/fused_scan_diff.py (both grids) and
 #                                      # bwd_scan_diff.py: the scans' variants case by case
 #   bash benchmarks/run_gpu.sh kernel-tests   # test_cuda.py and test_triton_kernels.py alone
@@ -216,6 +218,19 @@ xdist-tests)
     step "the fused scan's repeat test, CUDA_LAUNCH_BLOCKING=1"
     CUDA_LAUNCH_BLOCKING=1 timeout 120 python3 -m pytest -v -p no:benchmark --tb=short \
         tests/test_triton_kernels.py -k "repeats_its_bits" >> "$LOG" 2>&1
+    ;;
+fla-comparisons)
+    # One call: the tests that run fla's own code beside ours (its layer, its chunk_kda with
+    # the layer flags), alone, with time for fla's first-use tuning, which the EXIT trap packs
+    # into $OUT/triton_autotune.tar.gz: carried back as .triton_autotune.tar.gz, a cut call's
+    # tuning goes on in the next (benchmarks/tuning/README.md). test_layer's comparison with
+    # fla's layer was cut by that tuning at 200 s in three sessions (forty-third to forty-fifth).
+    step "the comparisons with fla's own code, -v (FLA_TEST_LIMIT=${FLA_TEST_LIMIT:-480})"
+    timeout "${FLA_TEST_LIMIT:-480}" python3 -m pytest -v -p no:benchmark --tb=short \
+        tests/test_layer.py tests/test_fla_options.py -k "matches_fla" > "$TLOGS/f.txt" 2>&1
+    echo "rc=$?" >> "$LOG"
+    grep -E "PASSED|FAILED|ERROR|passed|failed" "$TLOGS/f.txt" | cut -c1-300 >> "$LOG"
+    tail -n 60 "$TLOGS/f.txt" | cut -c1-300 > "$OUT/fla_tests_tail.txt"
     ;;
 scan-diffs)
     # One call (2026-12-06, H100, warm: the bv64 grid's 64 cases in about 200 s beside the tests;
@@ -520,7 +535,7 @@ cuda-bisect)
     collect_tests
     ;;
 *)
-    echo "usage: bash benchmarks/run_gpu.sh tests|scan-diffs|xdist-tests|groups-a|groups-b|bench|flags|serve|flags-verify|flags-check|variant-verify|settings-time|settings-confirm|cp|candidates|breakdown|explore|verify|sweep|cuda-bisect" >&2; exit 2 ;;
+    echo "usage: bash benchmarks/run_gpu.sh tests|scan-diffs|xdist-tests|fla-comparisons|groups-a|groups-b|bench|flags|serve|flags-verify|flags-check|variant-verify|settings-time|settings-confirm|cp|candidates|breakdown|explore|verify|sweep|cuda-bisect" >&2; exit 2 ;;
 esac
 step "done"
 tail -c 8000 "$LOG"
