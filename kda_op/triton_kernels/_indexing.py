@@ -104,6 +104,20 @@ def gam_row(r, T_c):
 
 
 @triton.jit
+def row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K: tl.constexpr, BKS: tl.constexpr):
+    """K slice ``i_s`` (``BKS`` wide) of rows ``o_i`` (mask ``m_i``) of a chunk's Q * scale,
+    K and gam (gam's rows past the end: the last, gam_row), fp32, with the slice's columns
+    and their mask. The pointers are at the chunk's first row and this head."""
+    o_s = i_s * BKS + tl.arange(0, BKS)
+    m_s = o_s < K
+    m_is = m_i[:, None] & m_s[None, :]
+    b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
+    b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
+    b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    return o_s, m_s, b_qi, b_ki, b_gi
+
+
+@triton.jit
 def chunk_in_sequence(i_c, chunk_index, IS_VARLEN: tl.constexpr):
     """Which chunk of its sequence chunk slot ``i_c`` holds (0: the first), for the
     chunk-parallel kernels that skip what is zero there: the state entering a

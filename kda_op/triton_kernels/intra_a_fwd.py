@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ._dot import as_stored
-from ._indexing import (chunk_coords, chunk_in_sequence, gam_row, left_to_the_other_launch, work_list_block,
+from ._indexing import (chunk_coords, chunk_in_sequence, gam_row, row_block_slice, left_to_the_other_launch, work_list_block,
                         work_list_item, work_list_range)
 from ._math import exp
 
@@ -381,18 +381,6 @@ def _a_chunk(
             tl.store(akk + p_z, b_z.to(akk.dtype.element_ty), mask=m_t[:, None])
             tl.store(aqk + p_z, b_z.to(aqk.dtype.element_ty), mask=m_t[:, None])
 
-@triton.jit
-def _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K: tl.constexpr, BKS: tl.constexpr):
-    """K slice ``i_s`` of a row block's Q * scale, K and gam (rows ``o_i``; gam's
-    past the end: the last, gam_row), fp32, with the slice's columns and their mask."""
-    o_s = i_s * BKS + tl.arange(0, BKS)
-    m_s = o_s < K
-    m_is = m_i[:, None] & m_s[None, :]
-    b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
-    b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-    b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
-    return o_s, m_s, b_qi, b_ki, b_gi
-
 
 @triton.jit
 def kda_intra_a_fwd_steep_kernel(
@@ -480,7 +468,7 @@ def _steep_a_item(q, k, gam, akk, aqk, steep, cu_seqlens, chunk_index, scale, T,
                 upto = o_r < (i_i + 1) * BC
                 spread = tl.full([], 0.0, tl.float32)
                 for i_s in range(tl.cdiv(K, BKS)):
-                    o_s, m_s, b_qi, b_ki, b_gi = _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K, BKS)
+                    o_s, m_s, b_qi, b_ki, b_gi = row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K, BKS)
                     b_gm = tl.load(gam + gam_row(i_i * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
                     b_dm = b_gi - b_gm[None, :]
                     spread = tl.maximum(spread, tl.max(tl.max(tl.abs(b_dm), 1), 0))
@@ -506,7 +494,7 @@ def _steep_a_item(q, k, gam, akk, aqk, steep, cu_seqlens, chunk_index, scale, T,
                 b_akk_d = tl.zeros([BC, BC], dtype=tl.float32)
                 b_aqk_d = tl.zeros([BC, BC], dtype=tl.float32)
                 for i_s in range(tl.cdiv(K, BKS)):
-                    o_s, m_s, b_qi, b_ki, b_gi = _row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K, BKS)
+                    o_s, m_s, b_qi, b_ki, b_gi = row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K, BKS)
                     # columns j before the block, reference r = the block's first row: both
                     # exp(gam_i - gam_r) and exp(gam_r - gam_j) are <= 1 for a decaying gate
                     b_gr = tl.load(gam + gam_row(i_i * BC, T) * (HV * K) + o_s, mask=m_s, other=0.0)

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ._gate import gate_params
-from ._indexing import chunk_coords, gam_row
+from ._indexing import chunk_coords, gam_row, row_block_slice
 from ._math import exp
 from .intra_bwd_a import _dg_of_chunk, store_dq_dk
 
@@ -85,23 +85,18 @@ def kda_intra_bwd_a_rows_kernel(
     m_s = o_s < K
     o_r = tl.arange(0, BT)
     m_t = o_r < T
-    m_ts = m_t[:, None] & m_s[None, :]
     o_i = i_blk * BC + tl.arange(0, BC)  # the block's rows, and as columns
     m_i = o_i < T
     m_is = m_i[:, None] & m_s[None, :]
 
     if not SUB_BLOCKS:  # the chunk's slice
-        b_q = tl.load(q + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32) * scale
-        b_k = tl.load(k + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_ts, other=0.0).to(tl.float32)
-        b_g = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        _, _, b_q, b_k, b_g = row_block_slice(q, k, gam, o_r, m_t, i_s, scale, T, H, HV, K, BKD)
     # the block's rows of it
-    b_qi = tl.load(q + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32) * scale
-    b_ki = tl.load(k + (o_i[:, None]) * (H * K) + o_s[None, :], mask=m_is, other=0.0).to(tl.float32)
-    b_gi = tl.load(gam + (gam_row(o_i, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+    _, _, b_qi, b_ki, b_gi = row_block_slice(q, k, gam, o_i, m_i, i_s, scale, T, H, HV, K, BKD)
     b_gm = tl.load(gam + gam_row(i_blk * BC + BC // 2, T) * (HV * K) + o_s, mask=m_s, other=0.0)
     if SUB_BLOCKS:
         b_tq, b_tk, b_tkj = _row_block_terms_by_sub_blocks(
-            q, k, gam, daqk, dakk, b_gm, b_gi, o_s, m_s, o_i, m_i, i_blk, T, scale,
+            q, k, gam, daqk, dakk, b_gm, b_gi, i_s, o_s, m_s, o_i, m_i, i_blk, T, scale,
             H, HV, K, BT, BC, BKD, DOT_PREC, FAST_EXP)
     else:
         # the block's rows: columns up to its end (past it dA is zero, the factor dropped)
@@ -133,7 +128,7 @@ def kda_intra_bwd_a_rows_kernel(
 
 
 @triton.jit
-def _row_block_terms_by_sub_blocks(q, k, gam, daqk, dakk, b_gm, b_gi, o_s, m_s, o_i, m_i, i_blk, T, scale,
+def _row_block_terms_by_sub_blocks(q, k, gam, daqk, dakk, b_gm, b_gi, i_s, o_s, m_s, o_i, m_i, i_blk, T, scale,
                                    H, HV, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BKD: tl.constexpr,
                                    DOT_PREC: tl.constexpr, FAST_EXP: tl.constexpr):
     """T_q, T_k and T_kj of the block's rows (SUB_BLOCKS): the sums over the chunk's rows
@@ -162,10 +157,7 @@ def _row_block_terms_by_sub_blocks(q, k, gam, daqk, dakk, b_gm, b_gi, o_s, m_s, 
     for rb in range(i_blk, tl.cdiv(tl.minimum(T, BT), BC)):
         o_r = rb * BC + tl.arange(0, BC)
         m_r = o_r < T
-        m_rs = m_r[:, None] & m_s[None, :]
-        b_qr = tl.load(q + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_rs, other=0.0).to(tl.float32) * scale
-        b_kr = tl.load(k + (o_r[:, None]) * (H * K) + o_s[None, :], mask=m_rs, other=0.0).to(tl.float32)
-        b_gr = tl.load(gam + (gam_row(o_r, T)[:, None]) * (HV * K) + o_s[None, :], mask=m_s[None, :], other=0.0)
+        _, _, b_qr, b_kr, b_gr = row_block_slice(q, k, gam, o_r, m_r, i_s, scale, T, H, HV, K, BKD)
         b_er = exp(b_gr - b_gm[None, :], FAST_EXP)
         p_cols = (o_r[:, None]) * (HV * BT) + o_i[None, :]
         b_dqk_j = tl.load(daqk + p_cols, mask=m_r[:, None], other=0.0)
