@@ -48,6 +48,8 @@ def _inputs(B, T, H, G, K, V, with_h0, seed):
 # reference by 4.1e-5 at an element of 0.079 (the tensor's largest 6.4), and under the
 # interpreter its largest error against the fp64 reference was 4.1e-5 as well.
 PARAM_GRADS = ("dA_log", "ddt_bias")
+# the backward's grads in kda_bwd_triton's order
+GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0") + PARAM_GRADS
 
 
 def _rel_close(got, want, name):
@@ -349,7 +351,7 @@ def test_triton_short_tiles_match_full_tiles(gated, launches, monkeypatch):
     want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, None, gate, cu)
     _rel_close(results[32][0], want[0], "o")
     _rel_close(results[32][1], want[2], "chunk_states")
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), results[32][3:11], want_grads):
+    for name, a, b in zip(GRAD_NAMES, results[32][3:11], want_grads):
         if b.numel():
             _rel_close(a, b, name)
 
@@ -407,7 +409,7 @@ def test_triton_forward_forms_nothing_that_nothing_reads(output_final_state, wit
         _rel_close(results[1][1], want[1], "ht")
     want_grads = _reference_bwd(q, k, v, g, beta, None, h0, want[2], do, dht.cpu() if output_final_state else None,
                                 gate, cu)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), results[1][7:], want_grads):
+    for name, a, b in zip(GRAD_NAMES, results[1][7:], want_grads):
         if b.numel():
             _rel_close(a, b, name)
 
@@ -448,7 +450,7 @@ def test_triton_backward_through_the_as_in_one_launch(gated, decay, monkeypatch)
         assert torch.equal(a, b), i
     want = _reference_fwd(q, k, v, g, beta, None, None, gate, cu)
     want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, None, gate, cu)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), results[1], want_grads):
+    for name, a, b in zip(GRAD_NAMES, results[1], want_grads):
         if b.numel():
             _rel_close(a, b, name)
     monkeypatch.setattr(settings, "BKD_A", 2 * settings.BKD)
@@ -956,15 +958,14 @@ def test_triton_direct_dq_dk_gives_what_gva_reduce_gives(gated, packed, dtype, m
         reduced.clear()
         grads.append(kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d))
         assert reduced == ([] if direct else [1]), (direct, reduced)
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for name, a, b in zip(names, *grads):
+    for name, a, b in zip(GRAD_NAMES, *grads):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert grads[1][0].dtype == dtype and grads[1][1].dtype == dtype
     assert bool(by_rows) == gated, by_rows  # the row-block kernel took fla's bounded gate
     if dtype == torch.float32:
         want = _reference_fwd(q, k, v, g, beta, None, None, gate, cu)
         want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, None, gate, cu)
-        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), grads[1], want_grads):
+        for name, a, b in zip(GRAD_NAMES, grads[1], want_grads):
             if b.numel():
                 _rel_close(a, b, name)
     # G = 2: two value heads to sum, gva_reduce runs
@@ -1432,7 +1433,7 @@ def test_triton_compact_dstates_give_the_same_bits(gated, monkeypatch):
             assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
         results.append(grads)
         monkeypatch.undo()
-    for name, a, b, ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias"), *results, want):
+    for name, a, b, ref in zip(GRAD_NAMES, *results, want):
         assert torch.equal(a, b), name
         if ref.numel():
             torch.testing.assert_close(b.cpu(), ref, rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")  # fp32
@@ -1919,14 +1920,13 @@ def test_triton_row_block_dots_match_the_masked_dots(one_launch, monkeypatch):
         passed.clear()
         results[rows] = kda_bwd_triton(*args, cs, do.to(DEVICE), None, kept, gate=gate_d, cu_seqlens=cu_d)
         assert passed and all(p == bool(rows) for p in passed), passed
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for name, a, b in zip(names, results[1], results[0]):
+    for name, a, b in zip(GRAD_NAMES, results[1], results[0]):
         if b.numel():
             # fp32, one order of the sums against another: the fp32 tolerance of these tests
             _rel_close(a, b, name)
     want = _reference_fwd(q, k, v, g, beta, None, None, gate, cu)
     want_grads = _reference_bwd(q, k, v, g, beta, None, None, want[2], do, None, gate, cu)
-    for name, a, b in zip(names, results[1], want_grads):
+    for name, a, b in zip(GRAD_NAMES, results[1], want_grads):
         if b.numel():
             _rel_close(a, b, name)
 
@@ -2071,8 +2071,7 @@ def test_backward_through_a_by_row_blocks_matches_one_program_per_chunk(case, mo
     # the per-chunk path: one launch for packed sequences, one per kind of chunk for
     # fixed-length ones (settings.INTRA_BWD_A_ONE_LAUNCH = 2)
     assert launched == ["per chunk"] * (1 if bwd._one_launch_serves(cu_d is not None) else 2) + ["per row block"]
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for name, a, b, ref in zip(names, *results, want):
+    for name, a, b, ref in zip(GRAD_NAMES, *results, want):
         # fp32: the column terms' other references change the rounding only
         torch.testing.assert_close(b.cpu(), a.cpu(), rtol=2e-4, atol=2e-5, msg=lambda m: f"{name}: {m}")
         if ref.numel():
@@ -2139,8 +2138,7 @@ def test_row_block_backward_by_sub_blocks_matches(case, monkeypatch):
         if checker is not None:
             assert checker.accesses > 50 and not checker.violations, checker.violations[:5]
     assert seen == [False, True], seen
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for name, a, b, ref in zip(names, *results, want):
+    for name, a, b, ref in zip(GRAD_NAMES, *results, want):
         if not ref.numel():
             continue
         assert a.abs().max() > 0.01, name
@@ -2314,8 +2312,7 @@ def test_fused_backward_scan_matches_the_scan_beside_the_prep_kernel(case, monke
         assert launched == [("prep", True), "scan", ("prep", False), "fused scan"], launched
     else:
         assert launched == [("prep", True), "scan", "fused scan"], launched
-    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0", "dA_log", "ddt_bias")
-    for name, a, b, ref in zip(names, *results, want):
+    for name, a, b, ref in zip(GRAD_NAMES, *results, want):
         if ref.numel():
             assert ref.abs().max() > 0.01, name
             # fp32: the same products, summed in another order (A_qk^T dO and Kr dS_C in one sum)
