@@ -213,6 +213,10 @@ def main(argv: list[str] | None = None) -> int:
     cs = names[chunk_states_dtype(dtype, "cuda")]
     aq = names[aqk_dtype(dtype)]
     dsc = "*bf16" if S.BF16_DSTATES and args.dtype == "bf16" else f32  # dS_C, as bwd.py allocates it
+    # dU', as bwd.py allocates it (settings.BF16_DUP: where the fused scan's dots are bf16)
+    scan_bwd_bf16 = bool(s["SCAN_BWD_BF16_DOTS"]) and aq == "*bf16" and dsc == "*bf16"
+    bf16_dup = S.BF16_DUP == 2 or (S.BF16_DUP == 1 and not args.varlen)  # (1: fixed-length inputs only)
+    dupt = "*bf16" if bf16_dup and S.SCAN_BWD_FUSED and scan_bwd_bf16 else f32
     prec, steep_prec = _dot_precision(dtype), _steep_dot_precision(dtype)  # as the host code passes them
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     # the backward's dq, dk: the op's own at G = 1 (settings.DIRECT_DQ_DK; K = V, H = HV here), else fp32 again
@@ -304,25 +308,26 @@ def main(argv: list[str] | None = None) -> int:
          s["SCAN_STAGES"]),
         # the fused backward scan (settings.SCAN_BWD_FUSED), its V block as --scan-bv says
         (state_bwd.kda_state_bwd_fused_kernel,
-         dict(**vl_seq, qg=op, kr=op, w=op, aqk=aq, gam=f32, do=x, dht=f32, dup=f32, dchunk_states=dsc, dh0=f32,
+         dict(**vl_seq, qg=op, kr=op, w=op, aqk=aq, gam=f32, do=x, dht=f32, dup=dupt, dchunk_states=dsc, dh0=f32,
               ds_offsets="*i64", **ints),
          dict(common, **varlen, BK=s["BK"], BV=args.scan_bv or s["BV_SCAN_BWD"], HAS_DHT=True, DOT_PREC=prec,
-              BF16_DOTS=bool(s["SCAN_BWD_BF16_DOTS"]) and aq == "*bf16" and dsc == "*bf16",
+              BF16_DOTS=scan_bwd_bf16,
               GLAST_AHEAD=bool(S.SCAN_BWD_GLAST_AHEAD),
               AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and fences_wgmma_after_cp_async()),
          scan_bwd_warps(args.scan_bv or s["BV_SCAN_BWD"], s["BK"]), s["SCAN_BWD_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
-         dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=f32, chunk_states=cs, dchunk_states=dsc, do=x,
+         dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=dupt, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, ds_offsets="*i64", scale="fp32",
               **ints),
          dict(common, **varlen, BKS=S.BKS_W, BV=S.INTRA_BWD_W_BV or s["BV"], DOT_PREC=prec, FAST_EXP=bool(S.FAST_EXP),
               BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and args.dtype == "bf16" and cs == "*bf16",
               BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and res == "*bf16" and dsc == "*bf16",
+              BF16_DW=dupt == "*bf16" and cs == "*bf16",
               STATES_IN_REGISTERS=S.INTRA_BWD_W_STAGES > 1 and not fences_wgmma_after_cp_async(),
               EARLY_QKG=bool(S.INTRA_BWD_W_EARLY_QKG) and args.dtype != "fp32"),
          S.INTRA_BWD_W_WARPS, S.INTRA_BWD_W_STAGES),
         (intra_bwd.kda_intra_bwd_kernel,
-         dict(**vl_chunk, v=x, beta=x, akk=f32, tm=f32, up=res, dup=f32, do=x, dtm_part=f32, dbeta_part=f32,
+         dict(**vl_chunk, v=x, beta=x, akk=f32, tm=f32, up=res, dup=dupt, do=x, dtm_part=f32, dbeta_part=f32,
               dv=x, dbeta=x, dakk=f32, daqk=f32, **ints),
          dict(**varlen, V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, S.BKS_W), DOT_PREC=prec,
               BF16_DAQK=(bool(S.INTRA_BWD_BF16_DAQK) and args.dtype == "bf16" and res == "*bf16"

@@ -2405,6 +2405,53 @@ def test_intra_bwd_w_takes_a_bf16_dot_for_u_prime_and_ds_c(monkeypatch):
         assert err < 1e-2, (name, err)
 
 
+def test_backward_keeps_du_prime_in_bf16_for_bf16_inputs(monkeypatch):
+    """settings.BF16_DUP: where the fused backward scan rounds dU' to bf16 for its own dot
+    (bf16 inputs), dU' is stored in bf16, and intra_bwd_w's dU' S0^T takes bf16 operands:
+    every grad within bf16's tolerance of the fp64 reference on the same rounded inputs,
+    and within half as much again as with fp32 dU' (whose readers' TF32 dots rounded it to
+    a 10-bit mantissa; bf16 keeps 8); packed sequences only under BF16_DUP = 2; fp32 inputs
+    keep fp32 dU'."""
+    from kda_op.triton_kernels import bwd, settings
+
+    args, do, dht, grads_ref = _bf16_problem(2 * CHUNK_SIZE + 29, seed=137)
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_w_kernel", lambda kw: seen.append(kw["BF16_DW"]))
+    o, ht, cs, kept = kda_fwd_triton(*args, keep_intermediates=True)
+    errors = {}
+    for bf16_dup in (0, 1):
+        monkeypatch.setattr(settings, "BF16_DUP", bf16_dup)
+        grads = kda_bwd_triton(*args, cs, do, dht, intermediates=kept)
+        for name, got, want in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
+            assert want.abs().max() > 0.01, name
+            errors[name, bf16_dup] = ((got.cpu().double() - want).norm() / want.norm()).item()
+    assert seen == [False, True], seen
+    for name in ("dq", "dk", "dv", "dg", "dbeta", "dh0"):
+        # bf16 rounding (2^-8) of the grads and of W, Qg, Kr, A_qk (test_triton_bf16_options: 1e-2)
+        assert errors[name, 1] < 1e-2, (name, errors)
+        # dU' rounded to bf16 (2^-9 relative) where its readers' TF32 dots took 2^-12: seen
+        # under the interpreter (IEEE fp32 dots) dv 1.08x and dbeta 1.24x the error of fp32 dU'
+        assert errors[name, 1] < 1.5 * errors[name, 0], (name, errors)
+    # packed sequences: fp32 dU' under 1 (settings.BF16_DUP says why), bf16 under 2
+    pargs = args[:5] + [None, None]
+    cu = torch.tensor([0, 40, args[0].shape[1]], device=DEVICE)
+    o, _, cs, kept = kda_fwd_triton(*pargs, True, cu_seqlens=cu, output_final_state=False)
+    for bf16_dup, want in ((1, False), (2, True), (0, False)):
+        monkeypatch.setattr(settings, "BF16_DUP", bf16_dup)
+        kda_bwd_triton(*pargs, cs, do, None, kept, cu_seqlens=cu)
+        assert seen[-1] is want, (bf16_dup, seen)
+    monkeypatch.setattr(settings, "BF16_DUP", 3)
+    with pytest.raises(ValueError, match="BF16_DUP"):
+        kda_bwd_triton(*pargs, cs, do, None, kept, cu_seqlens=cu)
+    monkeypatch.setattr(settings, "BF16_DUP", 1)
+    # fp32 inputs: fp32 dU', TF32 dots
+    fp32 = _inputs(1, CHUNK_SIZE + 5, 1, 2, 32, 16, True, seed=139)
+    fargs = [fp32[n] for n in NAMES]
+    o, ht, cs, kept = kda_fwd_triton(*fargs, None, fp32["initial_state"], True)
+    kda_bwd_triton(*fargs, None, fp32["initial_state"], cs, torch.randn_like(o), None, kept)
+    assert seen[-1] is False
+
+
 def test_intra_bwd_takes_a_bf16_dot_for_do_and_u_prime(monkeypatch):
     """settings.INTRA_BWD_BF16_DAQK: with dO and U' both bf16 (bf16 inputs, U' kept in
     bf16) intra_bwd's dO U'^T runs on bf16 operands, the same products as at TF32:

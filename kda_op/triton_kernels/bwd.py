@@ -44,6 +44,14 @@ def _bwd_scan_loads_glast_ahead(s: dict, T: int) -> bool:
     return _INTERPRET or s["BV_SCAN_BWD"] >= 64 or (not s["IS_VARLEN"] and T > BT)
 
 
+def _bf16_dup(packed: bool) -> bool:
+    """Whether settings.BF16_DUP asks for dU' in bf16 (0 never, 1 fixed-length inputs
+    only, 2 packed sequences too), where the fused scan's dots take bf16 operands."""
+    if S.BF16_DUP not in (0, 1, 2):
+        raise ValueError(f"settings.BF16_DUP: expected 0, 1 or 2, got {S.BF16_DUP!r}")
+    return S.BF16_DUP == 2 or (S.BF16_DUP == 1 and not packed)
+
+
 def _direct_dq_dk(G: int) -> bool:
     """Whether the backward through the A's writes the op's dq and dk itself
     (settings.DIRECT_DQ_DK: one value head a key head, nothing for gva_reduce to sum)."""
@@ -120,7 +128,14 @@ def kda_bwd_triton(
     # U' = U - W S0: the forward's own when it kept its intermediates, else made
     # by the prep kernel below
     up = x["up"] if "up" in x else torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype))
-    dup = torch.empty(B, T, HV, V, **f32)
+    fused = bool(S.SCAN_BWD_FUSED)
+    # (Qg, Kr, W, A_qk and dO all bf16: the fused scan's dots on bf16 operands)
+    scan_bf16_dots = bool(s["SCAN_BWD_BF16_DOTS"] and do.dtype == torch.bfloat16 and aqk.dtype == torch.bfloat16
+                          and S.BF16_DSTATES and q.dtype == torch.bfloat16)
+    # dU' in bf16 where the fused scan rounds it so itself (settings.BF16_DUP)
+    dup = torch.empty(B, T, HV, V, device=q.device,
+                      dtype=torch.bfloat16 if _bf16_dup(s["IS_VARLEN"]) and fused and scan_bf16_dots
+                      else torch.float32)
     # Packed sequences without dh0 and dht (training): each sequence's dS_C slots one
     # fewer than its chunks, T // BT in all (settings.COMPACT_DSTATES; state_bwd.py)
     compact = bool(S.COMPACT_DSTATES) and s["IS_VARLEN"] and dht is None and initial_state is None
@@ -134,7 +149,6 @@ def kda_bwd_triton(
     with _range("kda_op::bwd::state_scan"):
         # the fused scan forms A_qk^T dO and Qg^T dO itself: the prep kernel only for
         # U', where the forward did not keep it
-        fused = bool(S.SCAN_BWD_FUSED)
         if not (fused and "up" in x):
             kda_state_bwd_prep_kernel[(_cdiv(V, s["BV"]), NC, B * HV)](
                 x["qg"], x["w"], x["u"], aqk, chunk_states, do,
@@ -151,8 +165,7 @@ def kda_bwd_triton(
                 *s["VL_SEQ"], ds_offsets, T, NC,
                 H=H, HV=HV, K=K, V=V, BT=BT, BK=s["BK"], BV=s["BV_SCAN_BWD"],
                 HAS_DHT=dht is not None, DOT_PREC=prec,
-                BF16_DOTS=(s["SCAN_BWD_BF16_DOTS"] and do.dtype == torch.bfloat16 and aqk.dtype == torch.bfloat16
-                           and dchunk_states.dtype == torch.bfloat16),
+                BF16_DOTS=scan_bf16_dots,
                 IS_VARLEN=s["IS_VARLEN"], HAS_DH0=initial_state is not None, INTERPRET=_INTERPRET,
                 COMPACT=compact, GLAST_AHEAD=_bwd_scan_loads_glast_ahead(s, T),
                 AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and _cp_async_wgmma_fenced(),
@@ -198,6 +211,8 @@ def kda_bwd_triton(
             and chunk_states.dtype == torch.bfloat16, INTERPRET=_INTERPRET,
             BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and up.dtype == torch.bfloat16
             and dchunk_states.dtype == torch.bfloat16, FAST_EXP=_fast_exp(),
+            # (dU' and S0 both bf16: dU' S0^T on bf16 operands, settings.BF16_DUP)
+            BF16_DW=dup.dtype == torch.bfloat16 and chunk_states.dtype == torch.bfloat16,
         )
     del dchunk_states
     dakk = torch.empty(B, T, HV, BT, **f32)

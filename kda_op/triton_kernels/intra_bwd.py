@@ -75,7 +75,7 @@ def kda_intra_bwd_kernel(
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0)
         b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
-        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)
+        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0).to(tl.float32)  # (bf16 under settings.BF16_DUP)
         b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)
         if BF16_DAQK:
             b_daqk += dot_bf16(b_do, tl.trans(b_up), INTERPRET)

@@ -35,14 +35,15 @@ def kda_intra_bwd_w_kernel(
     IS_VARLEN: tl.constexpr = False, HAS_H0: tl.constexpr = True, HAS_DHT: tl.constexpr = True,
     COMPACT: tl.constexpr = False, BF16_DQG: tl.constexpr = False, INTERPRET: tl.constexpr = False,
     BF16_DKR: tl.constexpr = False, FAST_EXP: tl.constexpr = False, STATES_IN_REGISTERS: tl.constexpr = False,
-    EARLY_QKG: tl.constexpr = False,
+    EARLY_QKG: tl.constexpr = False, BF16_DW: tl.constexpr = False,
 ):
     # FAST_EXP: _math.exp without subnormals.
     # BF16_DQG (settings.INTRA_BWD_W_BF16_DQG): dO and the chunk states both hold bf16
     # (bf16 inputs and chunk states): dO S0^T on bf16 operands, the same products as
     # at TF32 (bf16 values are exact in both), accumulated in fp32. BF16_DKR
     # (settings.INTRA_BWD_W_BF16_DKR): likewise U' dS_C^T where U' and dS_C both hold
-    # bf16.
+    # bf16. BF16_DW (settings.BF16_DUP): dU' and S0 both stored in bf16, dU' S0^T on bf16
+    # operands (the same products as at TF32), else TF32 on dU' as stored.
     # The K slice varies fastest over the grid: the slices of one chunk run side by
     # side and share their loads of dO, U', dU', Tm through L2.
     i_s = tl.program_id(0)
@@ -127,12 +128,15 @@ def kda_intra_bwd_w_kernel(
                 b_dqg += dot_bf16(b_do, tl.trans(b_s0), INTERPRET)
             else:
                 b_dqg += tl.dot(b_do.to(tl.float32), tl.trans(b_s0.to(tl.float32)), input_precision=DOT_PREC)
+            if BF16_DW:
+                b_dw -= dot_bf16(b_dup, tl.trans(b_s0), INTERPRET)
             b_s0 = b_s0.to(tl.float32)
             if BF16_DKR:
                 b_dkr += dot_bf16(b_up, tl.trans(b_dsc), INTERPRET)
             else:
                 b_dkr += tl.dot(b_up.to(tl.float32), tl.trans(b_dsc.to(tl.float32)), input_precision=DOT_PREC)
-            b_dw -= tl.dot(b_dup, tl.trans(b_s0), input_precision=DOT_PREC)
+            if not BF16_DW:
+                b_dw -= tl.dot(b_dup.to(tl.float32), tl.trans(b_s0), input_precision=DOT_PREC)
             b_dglast += tl.sum(b_s0 * b_dsc.to(tl.float32), 1)
 
         if not EARLY_QKG:

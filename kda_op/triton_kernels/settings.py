@@ -248,6 +248,22 @@ INTRA_BWD_BF16_DAQK = 1
 # dS in fp32 registers, so the rounding does not accumulate over the chunks.
 # fp32 and fp16 inputs keep fp32. 0 restores fp32.
 BF16_DSTATES = 1
+# dU', the grad of the residuals U' = U - W S0 (the backward's [B, T, HV, V] buffer that
+# the fused scan writes and intra_bwd_w / intra_bwd read), in bf16 where the fused scan
+# rounds it to bf16 for its own dot W^T dU' (SCAN_BWD_BF16_DOTS: bf16 inputs), as fla
+# keeps its dv2 in the input dtype, instead of fp32: half its bytes in all three kernels.
+# Its readers only take it into dots, which rounded it to TF32 before (10-bit mantissa;
+# bf16 has 8): intra_bwd_w's dU' S0^T on bf16 operands where S0 is bf16 too, intra_bwd's
+# two dots TF32 on the rounded values. 1: fixed-length inputs only, 2: packed sequences
+# too, 0: fp32. H100 (2026-12-07, forty-sixth session, ours alone, two rounds, kernels by
+# GPU time, 2 then): B2-T8192-H8-HV32 layer-style step 6.737 -> 6.609 ms (state_bwd_fused
+# 0.660 -> 0.587, intra_bwd_w 1.637 -> 1.537, intra_bwd 0.825 -> 0.874), B8-T8192-H16 11.890
+# -> 11.661, peak 3.26 -> 3.14 GiB at B2; packed, varlen-mixed-T8192 2.046 -> 2.019 but
+# varlen-2048x1-64 14.113 -> 14.555 (intra_bwd 2.622 -> 3.086 ms), hence 1. intra_bwd
+# converts dU' to fp32 for its TF32 dots (sm_90a: LDS 79 -> 113 a thread, the tile through
+# shared memory for Tm^T dU'); Tm split in two bf16 parts for bf16 dots there spilled 232 B
+# (a 706-instruction loop against 582): not kept.
+BF16_DUP = 1
 # K slices of the backward through the A's, one program each: BKD_A on the
 # common path, BKD on the steep one (whose exact diagonal holds [BC, BC, BKD]).
 BKD_A = 32
@@ -330,15 +346,21 @@ INTRA_BWD_A_ROW_PROGRAMS = 1
 # at two warps: varlen-2048x1-64 3.621 (cap 128) / 3.465 (cap 96), varlen-mixed-T8192 0.372 /
 # 0.369 (1.883, 5.062, 0.492 ms before, the one-dot form at four warps, cap 128). The one-dot
 # form (SUB_BLOCKS = 0) was timed at four warps and a cap of 128.
-INTRA_BWD_A_ROWS_WARPS = 2
+# Four with K slices of 64 (INTRA_BWD_A_ROWS_BKD, forty-sixth session).
+INTRA_BWD_A_ROWS_WARPS = 4
 # The row programs' K slice (None: BKD_A). sm_90a, Triton 3.6, bf16, fla's bounded gate: 64
 # at eight warps takes 174 registers uncapped (no spill, one CTA an SM), 128 capped (64 B
 # spilled, two CTAs an SM, the occupancy of 32 at four warps) with half the programs, each
 # loading the block's dA rows and columns once for 64 columns of K instead of 32. H100
 # (2026-12-07, forty-fourth session, ours alone, B2-T8192-H8-HV32 layer-style, two rounds):
-# kda_intra_bwd_a_rows 1.867 -> 1.889 ms capped, 2.891 uncapped: not on.
-INTRA_BWD_A_ROWS_BKD = None
-INTRA_BWD_A_ROWS_MAXNREG = 96
+# kda_intra_bwd_a_rows 1.867 -> 1.889 ms capped, 2.891 uncapped: not on. With SUB_BLOCKS
+# (below) 64 at four warps capped at 128: 126 registers, no spill (fp32 inputs 48 B). H100
+# (2026-12-07, forty-sixth session, ours alone, two rounds, kernels by GPU time; two warps,
+# K slices of 32, cap 96 before): kda_intra_bwd_a_rows 1.399 -> 1.337 ms at B2-T8192-H8-HV32
+# layer-style (step 6.737 -> 6.662), 3.450 -> 3.320 at varlen-2048x1-64 (14.113 -> 13.982),
+# 0.374 -> 0.355 at varlen-mixed-T8192; 16 at one warp, capped at 128: 1.966 / 4.755 / 0.532.
+INTRA_BWD_A_ROWS_BKD = 64
+INTRA_BWD_A_ROWS_MAXNREG = 128
 INTRA_BWD_A_ROWS_FAST_EXP = 1
 # The row programs' sums over the chunk's rows walked BC rows at a time, only over the row
 # blocks where dA can be nonzero (1: the block's rows over the blocks up to its own, its

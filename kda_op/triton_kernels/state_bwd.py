@@ -233,7 +233,8 @@ def kda_state_bwd_fused_kernel(
       dS0 = exp(Gam) dS_C + Qg^T dO - W^T dU'.
     Each chunk reads only the inputs of its own dots and writes what it forms, nothing
     it read (no slot shared with the prep kernel, so no barrier), in the order of
-    the forward scan's loop. BF16_DOTS (bf16 Qg,
+    the forward scan's loop. dU' is stored in ``dup``'s dtype (bf16 under
+    settings.BF16_DUP, the rounding its own dot W^T dU' takes with BF16_DOTS). BF16_DOTS (bf16 Qg,
     Kr, W, A_qk and dO): dS_C and dU' enter their dots rounded to bf16, as fla's dh
     kernel does; dS is carried in fp32. COMPACT: as kda_state_bwd_kernel (dS_C of a
     sequence's chunk c in its slot c; the last chunk's, zero, not stored)."""
@@ -283,7 +284,7 @@ def kda_state_bwd_fused_kernel(
             b_do = tl.load(do + r0 * (HV * V) + row_v, mask=m_t[:, None] & m_v[None, :], other=0.0)
             b_a = tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None] & causal, other=0.0)
             b_dup = dot(tl.trans(b_a), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
-            tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_t[:, None] & m_v[None, :])
+            tl.store(dup + r0 * (HV * V) + row_v, as_stored(b_dup, dup, INTERPRET), mask=m_t[:, None] & m_v[None, :])
             if (NC > 1) | HAS_DH0:
                 b_qg = tl.load(qg + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
                 b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -315,7 +316,7 @@ def kda_state_bwd_fused_kernel(
             b_a = tl.load(aqk + r0 * (HV * BT) + row_a, mask=m_t[:, None] & causal, other=0.0)
         b_dup = (dot(tl.trans(b_a), b_do, BF16_DOTS, DOT_PREC, INTERPRET)
                  + dot(b_kr, b_ds, BF16_DOTS, DOT_PREC, INTERPRET))
-        tl.store(dup + r0 * (HV * V) + row_v, b_dup, mask=m_tv)
+        tl.store(dup + r0 * (HV * V) + row_v, as_stored(b_dup, dup, INTERPRET), mask=m_tv)
         b_qg = tl.load(qg + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
         b_w = tl.load(w + r0 * (HV * K) + row_k, mask=m_tk, other=0.0)
         if not GLAST_AHEAD:
