@@ -30,7 +30,7 @@ from kda_op._compat import cuobjdump_path, fences_wgmma_after_cp_async, ptxas_pa
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
 from kda_op.triton_kernels import settings as S
 from kda_op.triton_kernels._host import (_INDEX_SEQS, _INDEX_SLOTS, _dot_precision, _sizes, _steep_dot_precision,
-                                         scan_bwd_warps)
+                                         scan_bwd_warps, intra_bwd_w_stages)
 from kda_op.triton_kernels.settings import BC, BT, MAX_SPLIT
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -323,9 +323,9 @@ def main(argv: list[str] | None = None) -> int:
               BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and args.dtype == "bf16" and cs == "*bf16",
               BF16_DKR=bool(S.INTRA_BWD_W_BF16_DKR) and res == "*bf16" and dsc == "*bf16",
               BF16_DW=dupt == "*bf16" and cs == "*bf16",
-              STATES_IN_REGISTERS=S.INTRA_BWD_W_STAGES > 1 and not fences_wgmma_after_cp_async(),
+              STATES_IN_REGISTERS=intra_bwd_w_stages(dtype) > 1 and not fences_wgmma_after_cp_async(),
               EARLY_QKG=bool(S.INTRA_BWD_W_EARLY_QKG) and args.dtype != "fp32"),
-         S.INTRA_BWD_W_WARPS, S.INTRA_BWD_W_STAGES),
+         S.INTRA_BWD_W_WARPS, intra_bwd_w_stages(dtype)),
         (intra_bwd.kda_intra_bwd_kernel,
          dict(**vl_chunk, v=x, beta=x, akk=f32, tm=f32, up=res, dup=dupt, do=x, dtm_part=f32, dbeta_part=f32,
               dv=x, dbeta=x, dakk=f32, daqk=f32, **ints),

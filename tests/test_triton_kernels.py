@@ -2703,7 +2703,8 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
     _on_launch(monkeypatch, bwd, "kda_intra_bwd_w_kernel", lambda kw: seen.append(("w", kw["STATES_IN_REGISTERS"])))
     from kda_op.triton_kernels import settings
 
-    monkeypatch.setattr(settings, "INTRA_BWD_W_STAGES", 2)
+    for name in ("INTRA_BWD_W_STAGES", "INTRA_BWD_W_STAGES_FP32"):  # (16-bit inputs, fp32 inputs)
+        monkeypatch.setattr(settings, name, 2)
     results = []
     for fenced in (True, False):
         monkeypatch.setattr(bwd, "_cp_async_wgmma_fenced", lambda fenced=fenced: fenced)
@@ -2712,7 +2713,8 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
     assert seen == [("scan", True), ("w", False), ("intra", bf16, False),
                     ("scan", False), ("w", True), ("intra", False, True)], seen
     seen.clear()
-    monkeypatch.setattr(settings, "INTRA_BWD_W_STAGES", 1)
+    for name in ("INTRA_BWD_W_STAGES", "INTRA_BWD_W_STAGES_FP32"):
+        monkeypatch.setattr(settings, name, 1)
     kda_bwd_triton(*args, None, h0, cs, do, dht, kept)
     assert ("w", False) in seen, seen
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), *results):
@@ -2722,6 +2724,23 @@ def test_backward_without_triton_fences_takes_the_fenced_forms(dtype, monkeypatc
                                        else 1e-5, atol=1e-5, msg=lambda m: f"{name}: {m}")
         else:
             assert torch.equal(a, b), name
+
+
+def test_intra_bwd_w_stages_follow_the_input_dtype(monkeypatch):
+    """intra_bwd_w's pipeline stages: settings.INTRA_BWD_W_STAGES for 16-bit inputs,
+    INTRA_BWD_W_STAGES_FP32 for fp32 ones (their wider tiles need more shared memory)."""
+    from kda_op.triton_kernels import bwd, settings
+
+    stages = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_w_kernel", lambda kw: stages.append(kw["num_stages"]))
+    monkeypatch.setattr(settings, "INTRA_BWD_W_STAGES", 3)
+    monkeypatch.setattr(settings, "INTRA_BWD_W_STAGES_FP32", 2)
+    inputs = _inputs(1, CHUNK_SIZE + 11, 1, 2, 32, 16, False, seed=149)
+    for dtype in (torch.bfloat16, torch.float32):
+        args = [inputs[n].to(dtype) if n != "g" else inputs[n] for n in NAMES]
+        o, ht, cs, kept = kda_fwd_triton(*args, None, None, True)
+        kda_bwd_triton(*args, None, None, cs, torch.randn_like(o), None, kept)
+    assert stages == [3, 2], stages
 
 
 def _forward_keeping_nothing(args, gate, cu_d, pool_seed=None):

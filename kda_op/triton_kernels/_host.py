@@ -136,6 +136,12 @@ def scan_bwd_warps(bv: int, bk: int) -> int:
     return S.SCAN_BWD_WARPS or (S.SCAN_BWD_WARPS_BV16 if bv == 16 and bk <= 128 else S.SCAN_WARPS)
 
 
+def intra_bwd_w_stages(dtype: torch.dtype) -> int:
+    """intra_bwd_w.py's pipeline stages for inputs of ``dtype``: settings.INTRA_BWD_W_STAGES,
+    INTRA_BWD_W_STAGES_FP32 for fp32 inputs (wider tiles: shared memory)."""
+    return S.INTRA_BWD_W_STAGES_FP32 if dtype == torch.float32 else S.INTRA_BWD_W_STAGES
+
+
 def _work_list(n_items, device: torch.device) -> Optional[tuple]:
     """The 1-D grid of a work-list launch over ``n_items`` items (settings.STEEP_WORK_LIST),
     or None where the setting is off (the full grid then). At most one program per item

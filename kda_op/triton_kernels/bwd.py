@@ -17,7 +17,7 @@ from .._contract import residual_dtype
 from . import settings as S
 from ._host import (_INTERPRET, _cdiv, _cp_async_wgmma_fenced, _dot_precision, _fast_exp, _gate_args,
                     _gate_bounds_every_block, _intermediates_views, _layout, _pow2, _range, _sizes,
-                    _steep_dot_precision, _work_list)
+                    _steep_dot_precision, _work_list, intra_bwd_w_stages)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
@@ -201,11 +201,11 @@ def kda_bwd_triton(
             H=H, HV=HV, K=K, V=V, BT=BT, BKS=S.BKS_W, BV=S.INTRA_BWD_W_BV or s["BV"],
             # (with loads ahead, where Triton does not fence the wgmmas reading their tiles,
             # S0 and dS_C pass through registers: _compat.fences_wgmma_after_cp_async)
-            STATES_IN_REGISTERS=S.INTRA_BWD_W_STAGES > 1 and not _cp_async_wgmma_fenced(),
+            STATES_IN_REGISTERS=intra_bwd_w_stages(q.dtype) > 1 and not _cp_async_wgmma_fenced(),
             # (fp32 inputs not: their wider q, k tiles spill 1.4 KB loaded ahead)
             EARLY_QKG=bool(S.INTRA_BWD_W_EARLY_QKG) and q.dtype != torch.float32,
             DOT_PREC=prec, IS_VARLEN=s["IS_VARLEN"], HAS_H0=initial_state is not None, HAS_DHT=dht is not None,
-            COMPACT=compact, num_warps=S.INTRA_BWD_W_WARPS, num_stages=S.INTRA_BWD_W_STAGES,
+            COMPACT=compact, num_warps=S.INTRA_BWD_W_WARPS, num_stages=intra_bwd_w_stages(q.dtype),
             **(dict(maxnreg=S.INTRA_BWD_W_MAXNREG) if S.INTRA_BWD_W_MAXNREG else {}),
             BF16_DQG=bool(S.INTRA_BWD_W_BF16_DQG) and do.dtype == torch.bfloat16
             and chunk_states.dtype == torch.bfloat16, INTERPRET=_INTERPRET,

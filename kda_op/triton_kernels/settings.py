@@ -52,7 +52,16 @@ INTRA_BWD_W_MAXNREG = None
 # (2.037 / 4.026 ms, unfenced) or four (1.791 / 3.563, unfenced), of 128 (1.809 / 3.630);
 # K slices of 32 at 128 registers (two CTAs an SM: 1.895 / 3.705, and twice the dTm shares);
 # a slice of 64 or 128 walked in sub-slices of 32 (3.1-6.9 ms: spills under the cap).
-INTRA_BWD_W_STAGES = 2
+# 2 -> 3 on 2026-12-07 (forty-sixth session) for 16-bit inputs: with dU' in bf16 (BF16_DUP)
+# a stage takes 40 KB of shared memory (139 KB at three, one CTA an SM by its 220
+# registers either way), so both V blocks of 64 (V = 128) are in flight from the start.
+# H100 (ours alone, two rounds, kernels by GPU time): kda_intra_bwd_w 1.514 -> 1.337 ms at
+# B2-T8192-H8-HV32 layer-style (step 6.504 -> 6.329), 3.036 -> 2.664 at B8-T8192-H16 (11.608
+# -> 11.236), 0.421 -> 0.383 at varlen-mixed-T8192, varlen-2048x1-64 even (13.92 ms).
+# sm_90a: no unfenced wgmma (kernel_resources.py --check-fences). fp32 inputs keep
+# INTRA_BWD_W_STAGES_FP32 (three stages there: 229 KB of shared memory, 1.2 KB spilled; untimed).
+INTRA_BWD_W_STAGES = 3
+INTRA_BWD_W_STAGES_FP32 = 2
 INTRA_BWD_W_BV = None
 # intra_bwd_w's q, k and gam slices loaded before its V loop (1: in flight while it runs)
 # instead of after it (0), bf16 / fp16 inputs. sm_90a, Triton 3.6, bf16: 223 registers
