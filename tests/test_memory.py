@@ -59,11 +59,12 @@ def test_backward_memory_does_not_grow_with_a_state_per_token():
 def test_triton_backward_holds_one_stage_at_a_time(capsys):
     """profiling/memory_budget.py (the Triton host code's buffers under the
     interpreter, scaled to B8-T8192-H16): the backward drops each buffer after its
-    last reader, so the peak (since dS_C went to bf16, at the intra-chunk backward,
-    after the backward through the states and W) holds neither dS_C (freed after its
-    last reader) nor dg, dq, dk (allocated later); 8096 bytes per token and head at K
-    = V = 128, bf16 (8358 with dS_C in fp32, 8878 with four dTm shares per chunk,
-    10672 when everything lived to the end)."""
+    last reader, so the peak (since dU' went to bf16, settings.BF16_DUP, at the backward
+    through the A's, which reads dA_kk and dA_qk and writes dg, dq, dk) holds none of
+    the buffers of the stages before it: dS_C, dU', U' and the dTm shares; 8088 bytes per
+    token and head at K = V = 128, bf16 (8096 with fp32 dU', the peak then at the
+    intra-chunk backward before dg, dq, dk; 8358 with dS_C in fp32 as well, 8878 with four
+    dTm shares per chunk, 10672 when everything lived to the end)."""
     import os
     import sys
     from pathlib import Path
@@ -79,9 +80,9 @@ def test_triton_backward_holds_one_stage_at_a_time(capsys):
     out = capsys.readouterr().out
     per_token = int(out.split(" bytes per token and value head")[0].rsplit("(", 1)[1])
     assert per_token <= 8150, out
-    assert "dakk =" in out, out  # the peak is the intra-chunk backward's
-    for gone_or_late in ("dchunk_states =", "dg =", "dq =", "dk ="):
-        assert gone_or_late not in out, (gone_or_late, out)
+    assert "dakk =" in out and "dg =" in out, out  # the peak is the backward through the A's
+    for gone in (" dchunk_states =", " dup =", " up =", " dtm_part =", " dbeta_part ="):
+        assert gone not in out, (gone, out)
 
 
 def test_triton_forward_without_grad_keeps_no_chunk_states(monkeypatch):
