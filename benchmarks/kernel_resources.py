@@ -27,7 +27,7 @@ from triton.compiler import ASTSource
 from kda_op.triton_kernels import diag_inv, gam_fwd, intra_a_fwd, intra_a_fwd_rows, intra_fused_fwd, prep, intra_bwd, intra_bwd_a, intra_bwd_a_rows, intra_bwd_w, intra_wu_fwd, output_fwd, recurrent_fwd, state_bwd, state_fwd, state_output_fwd, varlen_index
 from kda_op import _contract
 from kda_op._compat import cuobjdump_path, fences_wgmma_after_cp_async, ptxas_path
-from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype
+from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype, tm_dtype
 from kda_op.triton_kernels import settings as S
 from kda_op.triton_kernels._host import (_INDEX_SEQS, _INDEX_SLOTS, _dot_precision, _sizes, _steep_dot_precision,
                                          scan_bwd_warps, intra_bwd_w_stages)
@@ -215,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     dsc = "*bf16" if S.BF16_DSTATES and args.dtype == "bf16" else f32  # dS_C, as bwd.py allocates it
     # dU', as bwd.py allocates it (settings.BF16_DUP: where the fused scan's dots are bf16)
     scan_bwd_bf16 = bool(s["SCAN_BWD_BF16_DOTS"]) and aq == "*bf16" and dsc == "*bf16"
+    tmt = names[tm_dtype(dtype)]  # the stored Tm (_contract.BF16_TM)
     bf16_dup = S.BF16_DUP == 2 or (S.BF16_DUP == 1 and not args.varlen)  # (1: fixed-length inputs only)
     dupt = "*bf16" if bf16_dup and S.SCAN_BWD_FUSED and scan_bwd_bf16 else f32
     prec, steep_prec = _dot_precision(dtype), _steep_dot_precision(dtype)  # as the host code passes them
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
               AQK_ROW_MASK=bool(S.SCAN_AQK_ROW_MASK) and fences_wgmma_after_cp_async()),
          scan_bwd_warps(args.scan_bv or s["BV_SCAN_BWD"], s["BK"]), s["SCAN_BWD_STAGES"]),
         (intra_bwd_w.kda_intra_bwd_w_kernel,
-         dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=f32, up=res, dup=dupt, chunk_states=cs, dchunk_states=dsc, do=x,
+         dict(**vl_chunk, q=x, k=x, beta=x, gam=f32, tm=tmt, up=res, dup=dupt, chunk_states=cs, dchunk_states=dsc, do=x,
               dq=f32, dk=f32, dgam=f32, dgam_last=f32, dtm_part=f32, dbeta_part=f32, ds_offsets="*i64", scale="fp32",
               **ints),
          dict(common, **varlen, BKS=S.BKS_W, BV=S.INTRA_BWD_W_BV or s["BV"], DOT_PREC=prec, FAST_EXP=bool(S.FAST_EXP),
@@ -327,12 +328,13 @@ def main(argv: list[str] | None = None) -> int:
               EARLY_QKG=bool(S.INTRA_BWD_W_EARLY_QKG) and args.dtype != "fp32"),
          S.INTRA_BWD_W_WARPS, intra_bwd_w_stages(dtype)),
         (intra_bwd.kda_intra_bwd_kernel,
-         dict(**vl_chunk, v=x, beta=x, akk=f32, tm=f32, up=res, dup=dupt, do=x, dtm_part=f32, dbeta_part=f32,
+         dict(**vl_chunk, v=x, beta=x, akk=f32, tm=tmt, up=res, dup=dupt, do=x, dtm_part=f32, dbeta_part=f32,
               dv=x, dbeta=x, dakk=f32, daqk=f32, **ints),
          dict(**varlen, V=V, BT=BT, BV=s["BV"], NS=triton.cdiv(K, S.BKS_W), DOT_PREC=prec,
               BF16_DAQK=(bool(S.INTRA_BWD_BF16_DAQK) and args.dtype == "bf16" and res == "*bf16"
                          and fences_wgmma_after_cp_async()),
-              UP_IN_REGISTERS=not fences_wgmma_after_cp_async()), S.INTRA_BWD_WARPS, S.INTRA_BWD_STAGES),
+              UP_IN_REGISTERS=not fences_wgmma_after_cp_async(), BF16_TDU=tmt == dupt == "*bf16"),
+         S.INTRA_BWD_WARPS, S.INTRA_BWD_STAGES),
         (intra_bwd_a.kda_intra_bwd_a_kernel,
          dict(**vl_chunk, q=x, k=x, gam=f32, dakk=f32, daqk=f32, dgam_last=f32, steep="*i32", dq=f32, dk=f32, dgam=f32,
               dg=graw, **dq_dk_out, g=graw, **gate_sig, ddt_part=f32, dla_part=f32, scale="fp32", **ints,

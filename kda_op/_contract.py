@@ -163,15 +163,32 @@ def aqk_dtype(input_dtype: torch.dtype) -> torch.dtype:
 BF16_AKK = False
 
 
+# Tm = (I + diag(beta) A_kk)^-1 as the backward reads it (the kept intermediates' Tm, and the
+# backward's recompute) in bf16 for bf16 inputs instead of fp32, as fla keeps its inverse:
+# half its bytes where the forward stores it and where intra_bwd_w and intra_bwd read it,
+# and with dU' in bf16 too (settings.BF16_DUP) intra_bwd's Tm^T dU' on bf16 operands, which
+# then needs no fp32 copy of dU'. The forward's own W and U take Tm from registers (fp32),
+# unchanged. Built 2026-12-07 (forty-sixth session), untimed (no device time was left).
+# Read by the CUDA kernels and the fake kernel's size of the kept intermediates: set it
+# before anything is traced.
+BF16_TM = False
+
+
 # The storage-dtype switches above, by name: what the benchmarks' --variants and the tests'
 # KDA_TEST_SETTINGS may change here besides settings.py.
-STORAGE_SETTINGS = ("BF16_RESIDUALS", "BF16_CHUNK_STATES", "BF16_AQK", "BF16_AKK")
+STORAGE_SETTINGS = ("BF16_RESIDUALS", "BF16_CHUNK_STATES", "BF16_AQK", "BF16_AKK", "BF16_TM")
 
 
 def akk_dtype(input_dtype: torch.dtype) -> torch.dtype:
     """dtype of A_kk in the CUDA forward: fp32, or bf16 for bf16 inputs under
     ``BF16_AKK``."""
     return torch.bfloat16 if BF16_AKK and input_dtype == torch.bfloat16 else torch.float32
+
+
+def tm_dtype(input_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the stored Tm in the CUDA forward and backward: fp32, or bf16 for bf16
+    inputs under ``BF16_TM``."""
+    return torch.bfloat16 if BF16_TM and input_dtype == torch.bfloat16 else torch.float32
 
 
 def _round_up(nbytes, multiple: int = 256):
@@ -187,8 +204,8 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
 
       gam  [B, T, HV, K] fp32      cumulative log decay in each chunk
       akk, aqk, tm  [B, T, HV, C] fp32   the chunk's A_kk, A_qk and (I + diag(beta) A_kk)^-1
-                                   (akk_dtype, aqk_dtype: bf16 for bf16 inputs under
-                                   BF16_AKK, BF16_AQK)
+                                   (akk_dtype, aqk_dtype, tm_dtype: bf16 for bf16 inputs
+                                   under BF16_AKK, BF16_AQK, BF16_TM)
       u    [B, T, HV, V] fp32      Tm diag(beta) V        (residual_dtype: bf16 for bf16 inputs)
       up   [B, T, HV, V] fp32      U - W S0, the residuals of the forward's scan (likewise)
       qg, kr, w  [B, T, HV, K]     what the scans read, bf16 for bf16 inputs else fp32
@@ -207,7 +224,7 @@ def intermediates_layout(B, T, HV, K, V, input_dtype: torch.dtype, device_type: 
         ("gam", (B, T, HV, K), torch.float32),
         ("akk", (B, T, HV, C), akk_dtype(input_dtype)),
         ("aqk", (B, T, HV, C), aqk_dtype(input_dtype)),
-        ("tm", (B, T, HV, C), torch.float32),
+        ("tm", (B, T, HV, C), tm_dtype(input_dtype)),
         ("u", (B, T, HV, V), residual_dtype(input_dtype)),
         ("up", (B, T, HV, V), residual_dtype(input_dtype)),
         ("qg", (B, T, HV, K), operand),

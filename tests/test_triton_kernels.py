@@ -1707,6 +1707,58 @@ def test_triton_akk_in_bf16_keeps_the_forward_at_its_bf16_error(problem, monkeyp
     assert not torch.equal(results[True][0], results[False][0])
 
 
+@pytest.mark.parametrize("problem", ["fixed_length", "packed_bounded_gate"])
+def test_triton_tm_in_bf16_keeps_the_grads_at_their_bf16_error(problem, monkeypatch):
+    """_contract.BF16_TM: on bf16 inputs the backward's Tm is stored in bf16, in the kept
+    intermediates (whose size shrinks by it) and in the backward's recompute alike, and with
+    dU' in bf16 too (settings.BF16_DUP) intra_bwd's Tm^T dU' takes bf16 operands. The grads
+    stay within bf16 error of the fp64 reference and near those of the fp32 Tm; o and the
+    final state do not move (the forward's W and U take Tm from registers)."""
+    from kda_op import _contract
+    from kda_op.ops import _reference_bwd, _reference_fwd
+    from kda_op.triton_kernels import bwd, settings
+
+    seen = []
+    _on_launch(monkeypatch, bwd, "kda_intra_bwd_kernel", lambda kw: seen.append(kw["BF16_TDU"]))
+    gate = cu = None
+    if problem == "packed_bounded_gate":
+        # fla's bounded gate on packed sequences, dU' in bf16 there too
+        monkeypatch.setattr(settings, "BF16_DUP", 2)
+        cu, (q, k, v, g, beta), gate, do = _packed_problem([40, 64, 150, 1], 151, True, decay=0.2)
+        xbf = [x if n == "g" else x.to(torch.bfloat16) for n, x in zip(NAMES, (q, k, v, g.float(), beta))]
+        dobf, dht = do.to(torch.bfloat16), None
+        x64 = [x.double() for x in xbf]
+        want = _reference_fwd(*x64, None, None, gate, cu)
+        want_grads = _reference_bwd(*x64, None, None, want[2], dobf.double(), None, gate, cu)
+        args = [x.to(DEVICE) for x in xbf] + [None, None]
+        dobf = dobf.to(DEVICE)
+    else:
+        args, dobf, dht, want_grads = _bf16_problem(2 * CHUNK_SIZE + 37, seed=151)
+    gate_d = None if gate is None else tuple(x.to(DEVICE) if isinstance(x, torch.Tensor) else x for x in gate)
+    cu_d = None if cu is None else cu.to(DEVICE)
+    results, sizes = {}, {}
+    for on in (False, True):
+        monkeypatch.setattr(_contract, "BF16_TM", on)
+        seen.clear()
+        o, ht, cs, kept = kda_fwd_triton(*args, keep_intermediates=True, gate=gate_d, cu_seqlens=cu_d)
+        sizes[on] = kept.numel()
+        kept_grads = kda_bwd_triton(*args, cs, dobf, dht, kept, gate=gate_d, cu_seqlens=cu_d)
+        recomputed = kda_bwd_triton(*args, cs, dobf, dht, None, gate=gate_d, cu_seqlens=cu_d)
+        assert seen == [on, on], (on, seen)
+        results[on] = (o, ht, kept_grads, recomputed)
+    assert torch.equal(results[True][0], results[False][0]) and torch.equal(results[True][1], results[False][1])
+    # Tm, [B, T, HV, C], two bytes an entry fewer
+    T, HV = args[2].shape[1], args[2].shape[2]
+    assert sizes[False] - sizes[True] == pytest.approx(2 * T * HV * CHUNK_SIZE, abs=512), sizes
+    for i, (name, ref) in enumerate(zip(("dq", "dk", "dv", "dg", "dbeta"), want_grads)):
+        err = {(on, kind): ((results[on][kind][i].cpu().double() - ref).norm() / ref.norm()).item()
+               for on in (False, True) for kind in (2, 3)}
+        for kind in (2, 3):
+            # bf16 outputs and operands (2^-8): a few 1e-3 either way; Tm's rounding (2^-9
+            # relative, as fla's bf16 inverse) may add about as much
+            assert err[True, kind] < 1e-2 and err[True, kind] <= 1.5 * err[False, kind] + 2e-3, (name, err)
+
+
 def test_triton_backward_scan_v_block_of_16_takes_four_warps(monkeypatch):
     """settings.BV_SCAN_BWD_MIN = 16 (bf16 operands, few heads): the fused backward scan runs
     V blocks of 16 at SCAN_BWD_WARPS_BV16 warps (eight faulted on the H200) where BK <= 128,

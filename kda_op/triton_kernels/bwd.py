@@ -231,6 +231,8 @@ def kda_bwd_triton(
             BF16_DAQK=(bool(S.INTRA_BWD_BF16_DAQK) and do.dtype == torch.bfloat16 and up.dtype == torch.bfloat16
                        and _cp_async_wgmma_fenced()),
             INTERPRET=_INTERPRET, UP_IN_REGISTERS=not _cp_async_wgmma_fenced(),
+            # (Tm and dU' both bf16: Tm^T dU' on bf16 operands; _contract.BF16_TM)
+            BF16_TDU=tm.dtype == torch.bfloat16 and dup.dtype == torch.bfloat16,
         )
     # (the stand-ins too: they may be dup, which they would keep for the rest of the backward)
     del dup, up, dtm_part, dbeta_part, ds_offsets, dht_arg, dh0_arg

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from ..reference import L2NORM_EPS
-from .._contract import akk_dtype, aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype
+from .._contract import akk_dtype, aqk_dtype, chunk_states_dtype, residual_dtype, scan_operand_dtype, tm_dtype
 from . import settings as S
 from ._host import (_INTERPRET, _SERVES, _cdiv, _dot_precision, _fast_exp, _gate_args, _gate_bounds_every_block,
                     _intermediates_views, _kernel, _layout, _pow2, _range, _sizes, _sm_count, _steep_dot_precision,
@@ -103,7 +103,7 @@ def _intra_fwd(q, k, v, g, beta, scale, s, store_tm: bool, out: Optional[dict] =
             kr=torch.empty(B, T, HV, K, **operand),
             w=torch.empty(B, T, HV, K, **operand),
             u=torch.empty(B, T, HV, V, device=q.device, dtype=residual_dtype(q.dtype)),
-            tm=torch.empty(B, T, HV, BT, **f32) if store_tm else None,
+            tm=torch.empty(B, T, HV, BT, device=q.device, dtype=tm_dtype(q.dtype)) if store_tm else None,
         )
     gam, akk, aqk, steep, qg, kr, w, u = (out[n] for n in ("gam", "akk", "aqk", "steep", "qg", "kr", "w", "u"))
     tm = out["tm"] if store_tm else akk.new_empty(0)  # not written without STORE_TM

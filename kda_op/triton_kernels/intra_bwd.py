@@ -26,7 +26,7 @@ def kda_intra_bwd_kernel(
     V: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, NS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     IS_VARLEN: tl.constexpr = False, BF16_DAQK: tl.constexpr = False, INTERPRET: tl.constexpr = False,
-    UP_IN_REGISTERS: tl.constexpr = False,
+    UP_IN_REGISTERS: tl.constexpr = False, BF16_TDU: tl.constexpr = False,
 ):
     # BF16_DAQK (settings.INTRA_BWD_BF16_DAQK; dO and U' both stored in bf16): dO U'^T on
     # bf16 operands, the same products as at TF32, accumulated in fp32; dO and U' stay
@@ -35,6 +35,9 @@ def kda_intra_bwd_kernel(
     # through registers (an identity where on its rows) before dO U'^T, so that the tile
     # the dot reads is stored by this program and Triton fences it; otherwise, on fp16
     # inputs, the wgmma read U' straight from the tile cp.async wrote, unfenced.
+    # BF16_TDU (_contract.BF16_TM with settings.BF16_DUP: Tm and dU' both stored in bf16):
+    # Tm^T dU' on bf16 operands (exact products, fp32 sums; dU' through registers where
+    # UP_IN_REGISTERS says why), so that dU' needs no fp32 copy for it.
     i_c = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
     i_b, i_hv, i_h, bos, T, g_c, s_c = chunk_coords(i_c, i_bh, T, NC, H, HV, cu_seqlens, chunk_index, BT, IS_VARLEN)
@@ -63,7 +66,10 @@ def kda_intra_bwd_kernel(
     row_c = (o_t[:, None]) * (HV * BT) + o_r[None, :]
 
     b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-    b_tm = tl.load(tm + row_c, mask=m_t[:, None], other=0.0)
+    b_tm = tl.load(tm + row_c, mask=m_t[:, None], other=0.0)  # (bf16 under _contract.BF16_TM)
+    if BF16_TDU:
+        b_tm_stored = b_tm
+    b_tm = b_tm.to(tl.float32)
 
     # ---- over V: dA_qk, dv, dbeta and dTm from U = Tm diag(beta) V
     b_daqk = tl.zeros([BT, BT], dtype=tl.float32)
@@ -75,7 +81,9 @@ def kda_intra_bwd_kernel(
         row_v = (o_t[:, None]) * (HV * V) + o_v[None, :]
         b_do = tl.load(do + row_v, mask=m_tv, other=0.0)
         b_up = tl.load(up + row_v, mask=m_tv, other=0.0)
-        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0).to(tl.float32)  # (bf16 under settings.BF16_DUP)
+        b_dup = tl.load(dup + row_v, mask=m_tv, other=0.0)  # (bf16 under settings.BF16_DUP)
+        if not BF16_TDU:
+            b_dup = b_dup.to(tl.float32)
         b_v = tl.load(v + row_v, mask=m_tv, other=0.0).to(tl.float32)
         if BF16_DAQK:
             b_daqk += dot_bf16(b_do, tl.trans(b_up), INTERPRET)
@@ -83,7 +91,13 @@ def kda_intra_bwd_kernel(
             if UP_IN_REGISTERS:
                 b_up = tl.where(m_t[:, None], b_up, 0.0)  # rows past the end: zero already
             b_daqk += tl.dot(b_do.to(tl.float32), tl.trans(b_up.to(tl.float32)), input_precision=DOT_PREC)
-        b_tdu = tl.dot(tl.trans(b_tm), b_dup, input_precision=DOT_PREC)
+        if BF16_TDU:
+            if UP_IN_REGISTERS:
+                b_dup = tl.where(m_t[:, None], b_dup, 0.0)  # rows past the end: zero already
+            b_tdu = dot_bf16(tl.trans(b_tm_stored), b_dup, INTERPRET)
+            b_dup = b_dup.to(tl.float32)
+        else:
+            b_tdu = tl.dot(tl.trans(b_tm), b_dup, input_precision=DOT_PREC)
         tl.store(dv + row_v, (b_beta[:, None] * b_tdu).to(dv.dtype.element_ty), mask=m_tv)
         b_dbeta += tl.sum(b_v * b_tdu, 1)
         b_dtm += tl.dot(b_dup, tl.trans(b_beta[:, None] * b_v), input_precision=DOT_PREC)

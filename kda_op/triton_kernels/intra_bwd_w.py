@@ -157,7 +157,8 @@ def kda_intra_bwd_w_kernel(
         b_dglast = b_dglast * tl.exp(b_glast) + tl.sum(b_dkr * b_kr, 0)
         # W = Tm diag(beta) Kg (beta and Tm loaded here: not live through the V loop)
         b_beta = tl.load(beta + o_t * HV, mask=m_t, other=0.0).to(tl.float32)
-        b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
+        b_tm = tl.load(tm + (o_t[:, None]) * (HV * BT) + o_r[None, :], mask=m_t[:, None],
+                       other=0.0).to(tl.float32)  # (bf16 under _contract.BF16_TM)
         b_bkg = b_beta[:, None] * b_kg
         b_dtm = tl.dot(b_dw, tl.trans(b_bkg), input_precision=DOT_PREC)
         b_tdw = tl.dot(tl.trans(b_tm), b_dw, input_precision=DOT_PREC)
