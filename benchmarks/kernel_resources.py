@@ -30,7 +30,7 @@ from kda_op._compat import cuobjdump_path, fences_wgmma_after_cp_async, ptxas_pa
 from kda_op._contract import aqk_dtype, chunk_states_dtype, residual_dtype, tm_dtype
 from kda_op.triton_kernels import settings as S
 from kda_op.triton_kernels._host import (_INDEX_SEQS, _INDEX_SLOTS, _dot_precision, _sizes, _steep_dot_precision,
-                                         scan_bwd_warps, intra_bwd_w_stages)
+                                         scan_bwd_warps, bf16_dup, intra_bwd_w_stages)
 from kda_op.triton_kernels.settings import BC, BT, MAX_SPLIT
 
 TARGET = GPUTarget("cuda", 90, 32)
@@ -216,8 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     # dU', as bwd.py allocates it (settings.BF16_DUP: where the fused scan's dots are bf16)
     scan_bwd_bf16 = bool(s["SCAN_BWD_BF16_DOTS"]) and aq == "*bf16" and dsc == "*bf16"
     tmt = names[tm_dtype(dtype)]  # the stored Tm (_contract.BF16_TM)
-    bf16_dup = S.BF16_DUP == 2 or (S.BF16_DUP == 1 and not args.varlen)  # (1: fixed-length inputs only)
-    dupt = "*bf16" if bf16_dup and S.SCAN_BWD_FUSED and scan_bwd_bf16 else f32
+    dupt = "*bf16" if bf16_dup(args.varlen) and S.SCAN_BWD_FUSED and scan_bwd_bf16 else f32
     prec, steep_prec = _dot_precision(dtype), _steep_dot_precision(dtype)  # as the host code passes them
     ints = dict(T="i32", NC="i32", H="i32", HV="i32")
     # the backward's dq, dk: the op's own at G = 1 (settings.DIRECT_DQ_DK; K = V, H = HV here), else fp32 again

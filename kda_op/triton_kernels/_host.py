@@ -136,6 +136,14 @@ def scan_bwd_warps(bv: int, bk: int) -> int:
     return S.SCAN_BWD_WARPS or (S.SCAN_BWD_WARPS_BV16 if bv == 16 and bk <= 128 else S.SCAN_WARPS)
 
 
+def bf16_dup(packed: bool) -> bool:
+    """Whether settings.BF16_DUP asks for dU' in bf16 (0 never, 1 fixed-length inputs
+    only, 2 packed sequences too), where the fused backward scan's dots take bf16 operands."""
+    if S.BF16_DUP not in (0, 1, 2):
+        raise ValueError(f"settings.BF16_DUP: expected 0, 1 or 2, got {S.BF16_DUP!r}")
+    return S.BF16_DUP == 2 or (S.BF16_DUP == 1 and not packed)
+
+
 def intra_bwd_w_stages(dtype: torch.dtype) -> int:
     """intra_bwd_w.py's pipeline stages for inputs of ``dtype``: settings.INTRA_BWD_W_STAGES,
     INTRA_BWD_W_STAGES_FP32 for fp32 inputs (wider tiles: shared memory)."""

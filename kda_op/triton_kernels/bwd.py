@@ -17,7 +17,7 @@ from .._contract import residual_dtype
 from . import settings as S
 from ._host import (_INTERPRET, _cdiv, _cp_async_wgmma_fenced, _dot_precision, _fast_exp, _gate_args,
                     _gate_bounds_every_block, _intermediates_views, _layout, _pow2, _range, _sizes,
-                    _steep_dot_precision, _work_list, intra_bwd_w_stages)
+                    _steep_dot_precision, _work_list, bf16_dup, intra_bwd_w_stages)
 from .fwd import _intra_fwd
 from .gva_reduce import kda_gva_reduce_kernel
 from .intra_bwd import kda_intra_bwd_kernel
@@ -42,14 +42,6 @@ def _bwd_scan_loads_glast_ahead(s: dict, T: int) -> bool:
     if not S.SCAN_BWD_GLAST_AHEAD:
         return False
     return _INTERPRET or s["BV_SCAN_BWD"] >= 64 or (not s["IS_VARLEN"] and T > BT)
-
-
-def _bf16_dup(packed: bool) -> bool:
-    """Whether settings.BF16_DUP asks for dU' in bf16 (0 never, 1 fixed-length inputs
-    only, 2 packed sequences too), where the fused scan's dots take bf16 operands."""
-    if S.BF16_DUP not in (0, 1, 2):
-        raise ValueError(f"settings.BF16_DUP: expected 0, 1 or 2, got {S.BF16_DUP!r}")
-    return S.BF16_DUP == 2 or (S.BF16_DUP == 1 and not packed)
 
 
 def _direct_dq_dk(G: int) -> bool:
@@ -134,7 +126,7 @@ def kda_bwd_triton(
                           and S.BF16_DSTATES and q.dtype == torch.bfloat16)
     # dU' in bf16 where the fused scan rounds it so itself (settings.BF16_DUP)
     dup = torch.empty(B, T, HV, V, device=q.device,
-                      dtype=torch.bfloat16 if _bf16_dup(s["IS_VARLEN"]) and fused and scan_bf16_dots
+                      dtype=torch.bfloat16 if bf16_dup(s["IS_VARLEN"]) and fused and scan_bf16_dots
                       else torch.float32)
     # Packed sequences without dh0 and dht (training): each sequence's dS_C slots one
     # fewer than its chunks, T // BT in all (settings.COMPACT_DSTATES; state_bwd.py)
